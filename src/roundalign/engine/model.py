@@ -1,0 +1,216 @@
+"""The emulated inference engine's forward pass: a Qwen2/Qwen3 decoder written the way vLLM writes it.
+
+What it emulates (and what it does not):
+
+- Structure: vLLM's decoder loop, where each layer returns ``(hidden, residual)`` and the residual add
+  happens inside the *next* norm (``RMSNorm(x, residual)``), with a KV cache filled by one prefill
+  of the prompt and then one token per decode step.
+- Rounding: every region rounds as the chosen engine mode does (``numerics.plan.engine_plan``),
+  using the fused formulas of ``numerics.regions``. This forward is written independently of the
+  HF-module patches in ``numerics.patch``: that an aligned HF trainer equals it bitwise is a test of
+  the patches' wiring (fusion boundaries, where the residual is read), not a tautology.
+- GEMMs: ``same`` runs the trainer's own ``F.linear`` on the same weights (separate q/k/v and
+  gate/up projections, as HF does) so that the regions are the only difference; ``splitk``
+  accumulates in fp32 over K chunks and rounds once, standing in for inference kernels that sum in
+  another order (vLLM's merged QKV / gate-up GEMMs, split-K decode kernels).
+- Attention: ``eager`` is HF's eager formula (bf16 scores, fp32 softmax); ``sdpa`` is
+  ``F.scaled_dot_product_attention`` (prefill causal, decode one query against the cache).
+- Not emulated: paged KV blocks, CUDA graphs, FlashAttention/FlashInfer kernels, tensor parallelism.
+
+The engine owns a copy of the weights (``sync_weights`` re-copies them from a training model), so a
+trainer's optimizer step does not change what the engine samples until the engine is synced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..numerics import regions
+from ..numerics.patch import _decoder
+from ..numerics.plan import RoundingPlan, engine_plan
+
+ATTN_IMPLS = ("eager", "sdpa")
+ENGINE_GEMMS = ("same", "splitk")
+
+
+def check_choice(name: str, value: str, valid: tuple[str, ...]) -> str:
+    if value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; valid choices: {', '.join(valid)}")
+    return value
+
+
+@dataclass
+class _Layer:
+    wq: Tensor
+    bq: Tensor | None
+    wk: Tensor
+    bk: Tensor | None
+    wv: Tensor
+    bv: Tensor | None
+    wo: Tensor
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    w_gate: Tensor
+    w_up: Tensor
+    w_down: Tensor
+    ln1: Tensor
+    ln2: Tensor
+
+
+class KVCache:
+    """Per-layer K/V tensors of shape (B, H_kv, T, D), appended one step at a time."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[Tensor | None] = [None] * num_layers
+        self.v: list[Tensor | None] = [None] * num_layers
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = k, v
+        else:
+            self.k[layer] = torch.cat((self.k[layer], k), dim=2)
+            self.v[layer] = torch.cat((self.v[layer], v), dim=2)
+        return self.k[layer], self.v[layer]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+
+class EngineModel:
+    """vLLM-style forward over a private copy of a HF Qwen model's weights.
+
+    Args:
+        model: the HF ``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` whose weights (and dtype) to copy.
+        engine: rounding to emulate, ``vllm-compiled`` or ``vllm-eager``.
+        attn: ``eager`` or ``sdpa``.
+        gemm: ``same`` or ``splitk``.
+        splitk_chunk: K-chunk size for ``splitk``, in elements.
+    """
+
+    def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
+                 splitk_chunk: int = 64):
+        self.plan: RoundingPlan = engine_plan(engine)
+        self.engine = engine
+        self.attn = check_choice("attention implementation", attn, ATTN_IMPLS)
+        self.gemm = check_choice("engine GEMM", gemm, ENGINE_GEMMS)
+        if splitk_chunk < 1:
+            raise ValueError(f"splitk_chunk must be >= 1, got {splitk_chunk}")
+        self.splitk_chunk = splitk_chunk
+        trunk = _decoder(model)
+        cfg = trunk.config
+        self.config = cfg
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scaling = self.head_dim ** -0.5
+        self.rotary_emb = trunk.rotary_emb  # stateless apart from inv_freq: cos/sin tables as HF computes them
+        self.layers: list[_Layer] = []
+        self.sync_weights(model)
+
+    @torch.no_grad()
+    def sync_weights(self, model: nn.Module) -> None:
+        """Copy every weight from ``model`` (the trainer) into the engine's private tensors."""
+        trunk = _decoder(model)
+        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+        self.dtype = trunk.embed_tokens.weight.dtype
+        self.embed = clone(trunk.embed_tokens.weight)
+        lm_head = getattr(model, "lm_head", None)
+        self.lm_head = clone(lm_head.weight) if lm_head is not None else self.embed
+        self.final_norm = clone(trunk.norm.weight)
+        self.layers = []
+        for layer in trunk.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                wq=clone(a.q_proj.weight), bq=clone(a.q_proj.bias), wk=clone(a.k_proj.weight), bk=clone(a.k_proj.bias),
+                wv=clone(a.v_proj.weight), bv=clone(a.v_proj.bias), wo=clone(a.o_proj.weight),
+                q_norm=clone(a.q_norm.weight) if hasattr(a, "q_norm") else None,
+                k_norm=clone(a.k_norm.weight) if hasattr(a, "k_norm") else None,
+                w_gate=clone(m.gate_proj.weight), w_up=clone(m.up_proj.weight), w_down=clone(m.down_proj.weight),
+                ln1=clone(layer.input_layernorm.weight), ln2=clone(layer.post_attention_layernorm.weight)))
+
+    # -- building blocks ------------------------------------------------------------------------
+
+    def _linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        if self.gemm == "same":
+            return F.linear(x, w, b)
+        # fp32 accumulation over K chunks, summed in chunk order, one rounding at the end
+        acc = None
+        for k0 in range(0, x.shape[-1], self.splitk_chunk):
+            part = x[..., k0:k0 + self.splitk_chunk].float() @ w[:, k0:k0 + self.splitk_chunk].float().T
+            acc = part if acc is None else acc + part
+        if b is not None:
+            acc = acc + b.float()
+        return acc.to(x.dtype)
+
+    def _norm(self, x: Tensor, w: Tensor, residual: Tensor | None):
+        if residual is None:
+            return regions.rmsnorm_fused(x, w, self.eps), x
+        if self.plan.residual == "fp32":
+            return regions.add_rmsnorm_fp32_sum(x, residual, w, self.eps)
+        return regions.add_rmsnorm_bf16_sum(x, residual, w, self.eps)
+
+    def _qk(self, x: Tensor, norm_w: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
+        """(B, T, H, D) projection output -> (B, H, T, D) after [q/k norm and] RoPE."""
+        if norm_w is not None:
+            if self.plan.qk_norm_rope == "fused":
+                return regions.rope_fused(regions.rmsnorm_fused(x, norm_w, self.eps, keep_fp32=True).transpose(1, 2),
+                                          cos, sin)
+            x = regions.rmsnorm_fused(x, norm_w, self.eps)
+        return regions.rope_fused(x.transpose(1, 2), cos, sin)
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """q: (B, H, Tq, D); k, v: (B, H_kv, Tk, D) -> (B, Tq, H*D)."""
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if self.attn == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=self.scaling)
+        else:
+            # HF eager_attention_forward: bf16 scores * scaling, additive min-value causal mask, fp32 softmax
+            scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+            if causal and q.shape[2] > 1:
+                tq, tk = q.shape[2], k.shape[2]
+                mask = torch.full((tq, tk), torch.finfo(scores.dtype).min, dtype=scores.dtype)
+                mask = torch.triu(mask, diagonal=tk - tq + 1)
+                scores = scores + mask
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(probs, v)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    # -- forward --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, cache: KVCache, layer_states: list | None = None) -> Tensor:
+        """Run ``input_ids`` (B, T) after the ``cache.length`` tokens already cached; returns bf16
+        logits (B, T, V). If ``layer_states`` is a list, appends per layer the hidden state after
+        that layer (the residual stream ``bf16(residual + mlp_out)``), shape (B, T, hidden)."""
+        bsz, seq = input_ids.shape
+        start = cache.length
+        positions = torch.arange(start, start + seq).unsqueeze(0).expand(bsz, -1)
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary_emb(h, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        residual = None
+        for i, L in enumerate(self.layers):
+            x, residual = self._norm(h, L.ln1, residual)
+            shape = (bsz, seq, -1, self.head_dim)
+            q = self._qk(self._linear(x, L.wq, L.bq).view(shape), L.q_norm, cos, sin)
+            k = self._qk(self._linear(x, L.wk, L.bk).view(shape), L.k_norm, cos, sin)
+            v = self._linear(x, L.wv, L.bv).view(shape).transpose(1, 2)
+            k, v = cache.append(i, k, v)
+            x = self._linear(self._attention(q, k, v, causal=True), L.wo)
+            x, residual = self._norm(x, L.ln2, residual)
+            gate, up = self._linear(x, L.w_gate), self._linear(x, L.w_up)
+            act = regions.swiglu_fused(gate, up) if self.plan.swiglu == "fused" else regions.swiglu_hf(gate, up)
+            h = self._linear(act, L.w_down)
+            if layer_states is not None:
+                layer_states.append((residual.float() + h.float()).to(self.dtype))
+        x, _ = self._norm(h, self.final_norm, residual)
+        return self._linear(x, self.lm_head)
