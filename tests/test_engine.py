@@ -1,0 +1,182 @@
+"""The emulated engine: bitwise agreement with the aligned trainer, KV cache, sampler, weight sync."""
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import random_qwen
+
+from roundalign import ENGINES, apply_alignment
+from roundalign.engine import Engine, EngineModel, KVCache
+
+torch.set_num_threads(1)
+
+
+def prompts(n=6, length=10, vocab=128, seed=0, lengths=None):
+    g = torch.Generator().manual_seed(seed)
+    lengths = lengths or [length] * n
+    return [torch.randint(0, vocab, (ln,), generator=g).tolist() for ln in lengths]
+
+
+def trainer_logprobs(model, sample, temperature=1.0):
+    ids = torch.tensor(sample.prompt_ids + sample.completion_ids).unsqueeze(0)
+    with torch.no_grad():
+        lg = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1:-1]
+    logp = torch.log_softmax(lg.float() / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(sample.completion_ids).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("tie", [False, True])
+def test_full_is_bitwise_on_policy_with_equal_kernels(arch, engine, tie):
+    # The paper's mechanism in one assertion: with the trainer's GEMMs and eager attention on both
+    # sides, aligning all regions makes the trainer's logprobs of the engine's samples bitwise equal,
+    # although the engine decodes token by token with a KV cache and the trainer runs one forward.
+    model = random_qwen(arch, tie=tie)
+    eng = Engine(model, engine=engine, attn="eager", gemm="same")
+    samples = eng.generate(prompts(lengths=[7, 7, 12, 12, 3]), max_new_tokens=12, seed=3)
+    apply_alignment(model, "baseline")
+    base_exact = sum(int((trainer_logprobs(model, s) == s.logprobs).sum()) for s in samples)
+    apply_alignment(model, "full", engine)
+    for s in samples:
+        assert torch.equal(trainer_logprobs(model, s), s.logprobs)
+    assert base_exact < 0.5 * sum(len(s.completion_ids) for s in samples)
+
+
+def test_kv_cache_decoding_equals_one_prefill(arch):
+    model = random_qwen(arch)
+    em = EngineModel(model, engine="vllm-compiled")
+    ids = torch.tensor(prompts(n=2, length=9))
+    full = em.forward(ids, KVCache(len(em.layers)))
+    cache = KVCache(len(em.layers))
+    steps = [em.forward(ids[:, :5], cache)] + [em.forward(ids[:, t:t + 1], cache) for t in range(5, 9)]
+    assert torch.equal(torch.cat(steps, dim=1), full)
+    assert cache.length == 9
+
+
+def test_sampler_logprob_is_fp32_log_softmax_of_scaled_logits():
+    model = random_qwen("qwen2")
+    eng = Engine(model)
+    p = prompts(n=1, length=5)
+    for temperature in (1.0, 0.7):
+        s = eng.generate(p, max_new_tokens=1, temperature=temperature, seed=0)[0]
+        logits = eng.model.forward(torch.tensor(p), KVCache(len(eng.model.layers)))[0, -1]
+        expected = torch.log_softmax(logits.float() / temperature, dim=-1)[s.completion_ids[0]]
+        assert s.logprobs.dtype == torch.float32
+        assert s.logprobs[0].item() == expected.item()
+
+
+def test_greedy_takes_the_argmax():
+    model = random_qwen("qwen3")
+    eng = Engine(model)
+    p = prompts(n=1, length=5)
+    s = eng.generate(p, max_new_tokens=1, temperature=0.0)[0]
+    logits = eng.model.forward(torch.tensor(p), KVCache(len(eng.model.layers)))[0, -1]
+    assert s.completion_ids[0] == int(logits.float().argmax())
+
+
+def test_sampling_is_seeded_and_independent_of_batching():
+    model = random_qwen("qwen2")
+    eng = Engine(model)
+    ps = prompts(n=4, length=6)
+    together = eng.generate(ps, max_new_tokens=8, seed=5)
+    again = eng.generate(ps, max_new_tokens=8, seed=5)
+    alone = [eng.generate([p], max_new_tokens=8, seed=5, sample_indices=[i])[0] for i, p in enumerate(ps)]
+    other_seed = eng.generate(ps, max_new_tokens=8, seed=6)
+    for a, b, c in zip(together, again, alone):
+        assert a.completion_ids == b.completion_ids == c.completion_ids
+        assert torch.equal(a.logprobs, c.logprobs)
+    assert [s.completion_ids for s in other_seed] != [s.completion_ids for s in together]
+    # samples of the same prompt differ (distinct generators), as GRPO's groups need
+    same_prompt = eng.generate([ps[0]] * 4, max_new_tokens=8, seed=5)
+    assert len({tuple(s.completion_ids) for s in same_prompt}) > 1
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    # 2000 one-token samples of one prompt: the empirical frequency of the most likely token must be
+    # within 4 standard errors of its probability under the engine's fp32 distribution.
+    model = random_qwen("qwen2")
+    eng = Engine(model)
+    p = prompts(n=1, length=4)
+    samples = eng.generate(p * 2000, max_new_tokens=1, seed=0)
+    logits = eng.model.forward(torch.tensor(p), KVCache(len(eng.model.layers)))[0, -1]
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = int(probs.argmax())
+    freq = sum(s.completion_ids[0] == top for s in samples) / 2000
+    se = math.sqrt(probs[top].item() * (1 - probs[top].item()) / 2000)
+    assert abs(freq - probs[top].item()) < 4 * se
+
+
+def test_eos_stops_and_is_kept():
+    model = random_qwen("qwen2")
+    eng = Engine(model)
+    first = eng.generate(prompts(n=1), max_new_tokens=20, seed=1)[0]
+    eos = first.completion_ids[2]
+    s = eng.generate(prompts(n=1), max_new_tokens=20, seed=1, eos_token_id=eos)[0]
+    assert s.completion_ids == first.completion_ids[:first.completion_ids.index(eos) + 1]
+    assert len(s.logprobs) == len(s.completion_ids)
+
+
+def test_engine_owns_its_weights_until_synced(arch):
+    model = random_qwen(arch)
+    eng = Engine(model)
+    p = prompts(n=2)
+    before = eng.generate(p, max_new_tokens=6, seed=0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    unchanged = eng.generate(p, max_new_tokens=6, seed=0)
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, unchanged))
+    eng.sync_weights(model)
+    fresh = Engine(model).generate(p, max_new_tokens=6, seed=0)
+    synced = eng.generate(p, max_new_tokens=6, seed=0)
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(fresh, synced))
+    assert not all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(before, synced))
+
+
+def test_splitk_gemm_is_chunked_fp32_accumulation_rounded_once():
+    model = random_qwen("qwen2", hidden=256)
+    em = EngineModel(model, gemm="splitk", splitk_chunk=32)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    w = (torch.randn(96, 256, generator=g) / 16).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    # independent reference: explicit loop over the 8 chunks in float32, bias last, one rounding
+    acc = torch.zeros(5, 96)
+    for c in range(8):
+        acc += torch.einsum("ik,jk->ij", x[:, 32 * c:32 * (c + 1)].float(), w[:, 32 * c:32 * (c + 1)].float())
+    ref = (acc + b.float()).to(torch.bfloat16)
+    got = em._linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    # the einsum's inner order may differ from the chunk matmul's by fp32 rounding: <= 1 bf16 ulp apart
+    assert (got.float() - ref.float()).abs().le(ref.float().abs() * 2 ** -7 + 1e-30).all()
+    assert (got == ref).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("attn,gemm", [("sdpa", "same"), ("eager", "splitk")])
+def test_unequal_kernels_leave_a_residual_that_full_still_reduces(arch, attn, gemm):
+    model = random_qwen(arch, attn=attn, hidden=128)
+    eng = Engine(model, attn=attn, gemm=gemm, splitk_chunk=16)
+    samples = eng.generate(prompts(n=8, length=12), max_new_tokens=16, seed=0)
+
+    def k3(variant):
+        apply_alignment(model, variant)
+        d = torch.cat([(trainer_logprobs(model, s) - s.logprobs).double() for s in samples])
+        return (torch.expm1(d) - d).mean().item()
+
+    base, full = k3("baseline"), k3("full")
+    assert full > 0  # the kernels differ: not bitwise any more
+    assert full < base
+
+
+def test_bad_choices_are_named():
+    model = random_qwen("qwen2")
+    with pytest.raises(ValueError, match=r"unknown attention implementation 'flash'.*eager, sdpa"):
+        Engine(model, attn="flash")
+    with pytest.raises(ValueError, match=r"unknown engine GEMM 'cublas'.*same, splitk"):
+        Engine(model, gemm="cublas")
+    with pytest.raises(ValueError, match=r"unknown engine 'vllm'.*vllm-compiled, vllm-eager"):
+        Engine(model, engine="vllm")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Engine(model).generate(prompts(n=1), max_new_tokens=0)
