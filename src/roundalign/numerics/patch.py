@@ -58,8 +58,9 @@ def _decoder(model: nn.Module) -> nn.Module:
     cls = type(model).__name__
     if cls not in SUPPORTED_MODEL_CLASSES:
         raise TypeError(
-            f"roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)}; got {cls}. "
-            "Other architectures round in other places and need their own alignment."
+            f"unsupported model class {cls}; roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)} "
+            "(Qwen2.5 checkpoints load as Qwen2). Other architectures round in other places and need their own "
+            "alignment."
         )
     return model.model if hasattr(model, "lm_head") else model
 

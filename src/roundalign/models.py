@@ -1,0 +1,123 @@
+"""Load models and tokenizers by local path (or from the local Hugging Face cache), never from the hub.
+
+* :func:`resolve_model_path` turns ``path_or_id`` into a local directory that holds a
+  ``config.json``:
+
+  - an existing directory is used as is (no ``config.json`` -> ``FileNotFoundError`` naming it);
+  - something that looks like a local path (starts with ``/``, ``.`` or ``~``, or contains a path
+    separator without being a single ``org/name``) and does not exist -> ``FileNotFoundError``
+    naming the path;
+  - anything else is treated as a hub id (``org/name`` or ``name``) and looked up in the local HF
+    cache only (``local_files_only=True``, i.e. ``HF_HUB_OFFLINE`` semantics). If it is not cached,
+    ``FileNotFoundError`` explains that the hub is unreachable from this machine and how to
+    prefetch it on a connected host (``huggingface-cli download ORG/NAME``, then copy the cache /
+    the snapshot directory over).
+
+* :func:`load_model` loads with ``AutoModelForCausalLM`` in the requested dtype
+  (``bf16``/``fp16``/``fp32``) and attention implementation (``eager``/``sdpa``), in eval mode.
+  ``model.generation_config`` is whatever the checkpoint ships; the tiny models from
+  :mod:`roundalign.tiny` ship ``top_k=0, top_p=1.0, temperature=1.0`` (see there for why).
+
+* :func:`load_tokenizer`: transformers 5.x maps a saved ``qwen2``/``qwen3`` directory to
+  ``Qwen2Tokenizer`` through ``AutoTokenizer``, which rebuilds the pre-tokenizer/decoder from its
+  own defaults. For the locally built tiny tokenizers (``roundalign_tiny.json`` present) we load
+  ``tokenizer.json`` verbatim with ``PreTrainedTokenizerFast.from_pretrained``; everything else
+  goes through ``AutoTokenizer``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ATTN_IMPLS = ("eager", "sdpa")
+TINY_META_FILE = "roundalign_tiny.json"  # kept in sync with roundalign.tiny.META_FILE
+
+# A hub repo id: "name" or "org/name" (letters, digits, '-', '_', '.'; no leading '.' / '-').
+_HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _looks_local(s: str) -> bool:
+    if s.startswith(("/", ".", "~")):
+        return True
+    seps = {os.sep} | ({os.altsep} if os.altsep else set())
+    return any(sep in s for sep in seps) and not _HUB_ID_RE.fullmatch(s)
+
+
+def _check_model_dir(d: Path, shown: str) -> str:
+    if not d.is_dir():
+        raise FileNotFoundError(f"model path {shown!r} exists but is not a directory")
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model directory {str(d)!r} has no config.json; it is not a saved model "
+            "(build one with roundalign.tiny.make_tiny or point at a downloaded snapshot)"
+        )
+    return str(d)
+
+
+def resolve_model_path(path_or_id: str) -> str:
+    """Return a local directory (with ``config.json``) for ``path_or_id``; never touches the network."""
+    s = os.fspath(path_or_id)
+    if not isinstance(s, str) or not s.strip():
+        raise ValueError(f"model path or hub id must be a non-empty string, got {path_or_id!r}")
+    p = Path(s).expanduser()
+    if p.exists():
+        return _check_model_dir(p, s)
+    if _looks_local(s) or not _HUB_ID_RE.fullmatch(s):
+        raise FileNotFoundError(f"model path {s!r} does not exist")
+
+    from huggingface_hub import snapshot_download
+
+    try:
+        snap = snapshot_download(repo_id=s, local_files_only=True)
+    except Exception as e:  # LocalEntryNotFoundError, HFValidationError, ...
+        raise FileNotFoundError(
+            f"model {s!r} is neither a local directory nor in the local Hugging Face cache "
+            f"({_hf_cache_dir()}), and the hub is unreachable from this machine. Prefetch it on a "
+            f"connected host with `huggingface-cli download {s}` (or `hf download {s}`) and copy the "
+            "cache (HF_HOME / HF_HUB_CACHE) or the snapshot directory here, then pass its path. "
+            f"[{type(e).__name__}: {e}]"
+        ) from e
+    return _check_model_dir(Path(snap), s)
+
+
+def _hf_cache_dir() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.HF_HUB_CACHE)
+    except Exception:  # pragma: no cover - very old huggingface_hub
+        return "HF_HUB_CACHE"
+
+
+def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
+    """Load a causal LM from a local directory / the local HF cache, in ``dtype``, in eval mode."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid choices: {', '.join(DTYPES)}")
+    if attn not in ATTN_IMPLS:
+        raise ValueError(f"unknown attn {attn!r}; valid choices: {', '.join(ATTN_IMPLS)}")
+    path = resolve_model_path(path_or_id)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=True
+    )
+    model.eval()
+    return model
+
+
+def load_tokenizer(path_or_id: str):
+    """Load the tokenizer saved next to a model (verbatim ``tokenizer.json`` for tiny models)."""
+    path = resolve_model_path(path_or_id)
+    if (Path(path) / TINY_META_FILE).is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

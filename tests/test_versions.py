@@ -1,0 +1,56 @@
+"""Pins: what we bridge to (transformers' Qwen modules, TRL internals) moves between releases, so the
+installed versions must be exactly the pinned ones, and the cluster environment must pin the same."""
+
+import re
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pins(lines):
+    out = {}
+    for line in lines:
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)==([^\s;]+)\s*", line)
+        if m:
+            out[m.group(1).lower()] = m.group(2)
+    return out
+
+
+def pyproject_pins():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = list(data["dependencies"])
+    for extra in data["optional-dependencies"].values():
+        lines += extra
+    return _pins(lines)
+
+
+def test_installed_versions_are_the_pinned_ones():
+    pins = pyproject_pins()
+    for name in ("torch", "transformers", "trl", "accelerate", "snakemake"):
+        installed = metadata.version(name).split("+")[0]  # torch's CPU build is "2.13.0+cpu"
+        assert installed == pins[name], f"{name}: installed {installed}, pinned {pins[name]}"
+
+
+def test_environment_yml_pins_match_pyproject():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    env_pins = _pins(pip_section)
+    pins = pyproject_pins()
+    for name, version in env_pins.items():
+        assert pins.get(name) == version, f"environment.yml pins {name}=={version}, pyproject {pins.get(name)}"
+    for name in ("torch", "transformers", "trl", "vllm", "snakemake", "snakemake-executor-plugin-slurm"):
+        assert name in env_pins, f"environment.yml does not pin {name}"
+
+
+def test_vllm_pin_is_accepted_by_trl():
+    # trl refuses vLLM outside the range its import_utils names; the gpu extra must sit inside it.
+    from packaging.version import Version
+    from trl import import_utils
+
+    src = Path(import_utils.__file__).read_text()
+    low, high = re.search(r'Version\("([\d.]+)"\) <= _vllm_base_version <= Version\("([\d.]+)"\)', src).groups()
+    assert Version(low) <= Version(pyproject_pins()["vllm"]) <= Version(high)
