@@ -21,11 +21,13 @@ import os
 import sys
 
 
-def _threads() -> None:
+def _setup_runtime() -> None:
     # On small CPU machines torch with >1 thread made step times swing by 10x; default to 1 unless asked.
     import torch
+    from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(int(os.environ.get("ROUNDALIGN_THREADS", "1")))
+    hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown our own progress lines
 
 
 def _csv_list(text: str) -> tuple[str, ...]:
@@ -95,7 +97,7 @@ def run_probe_cli(args) -> None:
                       splitk_chunk=args.splitk_chunk, dtype=args.dtype)
     resolve_model_path(cfg.model)  # fails fast on a missing model
     check_writable(args.out)
-    _threads()
+    _setup_runtime()
     run_probe(cfg, args.out)
 
 
