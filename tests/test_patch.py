@@ -31,7 +31,7 @@ def test_baseline_and_unaligned_are_stock(arch):
     apply_alignment(model, "baseline")
     assert torch.equal(logits(model), ref)
     assert all("forward" not in m.__dict__ for m in model.modules())  # nothing left behind
-    assert alignment_of(model) == ("baseline", "vllm-compiled")
+    assert alignment_of(model) == ("baseline", "vllm-compiled", "eager")
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -76,7 +76,7 @@ def test_applying_twice_equals_once_and_variants_replace(arch):
     assert torch.equal(logits(once), logits(twice))
     switched = apply_alignment(apply_alignment(random_qwen(arch), "full"), "rope")
     assert torch.equal(logits(switched), logits(apply_alignment(random_qwen(arch), "rope")))
-    assert alignment_of(switched) == ("rope", "vllm-compiled")
+    assert alignment_of(switched) == ("rope", "vllm-compiled", "eager")
 
 
 def test_patch_acts_on_decoder_modules_not_lm_head(arch):

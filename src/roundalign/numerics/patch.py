@@ -49,8 +49,9 @@ from . import regions
 from .plan import RoundingPlan, check_engine, check_variant, plan_for
 
 SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2Model", "Qwen3Model")
-_STATE_ATTR = "_roundalign_state"  # (variant, engine) on the top-level model
+_STATE_ATTR = "_roundalign_state"  # (variant, engine, kernels) on the top-level model
 _PLAN_ATTR = "_roundalign_plan"  # RoundingPlan on each patched submodule
+_KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace on each patched submodule
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -73,9 +74,9 @@ def _is_qwen3(attn: nn.Module) -> bool:
 # Replacement forwards. Each reads its RoundingPlan from the instance.
 
 
-def _norm(module: nn.Module, x: torch.Tensor, plan: RoundingPlan) -> torch.Tensor:
+def _norm(module: nn.Module, x: torch.Tensor, plan: RoundingPlan, K) -> torch.Tensor:
     if plan.norm == "fused":
-        return regions.rmsnorm_fused(x, module.weight, module.variance_epsilon)
+        return K.rmsnorm_fused(x, module.weight, module.variance_epsilon)
     return regions.rmsnorm_hf(x, module.weight, module.variance_epsilon)
 
 
@@ -86,10 +87,10 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     ``hidden_states`` is the bf16 residual stream, or under ``residual == "fp32"`` (every layer but the
     first) the unrounded fp32 sum returned by the previous aligned layer."""
     plan: RoundingPlan = getattr(self, _PLAN_ATTR)
+    K = getattr(self, _KERNELS_ATTR)
     dtype = self.input_layernorm.weight.dtype
     residual = hidden_states.to(dtype)  # the residual stream HF stores: the sum rounded once
-    hidden_states = regions.rmsnorm_fused(hidden_states, self.input_layernorm.weight,
-                                          self.input_layernorm.variance_epsilon)
+    hidden_states = K.rmsnorm_fused(hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
     hidden_states, _ = self.self_attn(
         hidden_states=hidden_states,
         attention_mask=attention_mask,
@@ -101,11 +102,9 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     )
     norm = self.post_attention_layernorm
     if plan.residual == "fp32":
-        hidden_states, residual = regions.add_rmsnorm_fp32_sum(hidden_states, residual, norm.weight,
-                                                               norm.variance_epsilon)
+        hidden_states, residual = K.add_rmsnorm_fp32_sum(hidden_states, residual, norm.weight, norm.variance_epsilon)
     else:
-        hidden_states, residual = regions.add_rmsnorm_bf16_sum(hidden_states, residual, norm.weight,
-                                                               norm.variance_epsilon)
+        hidden_states, residual = K.add_rmsnorm_bf16_sum(hidden_states, residual, norm.weight, norm.variance_epsilon)
     hidden_states = self.mlp(hidden_states)
     if plan.residual == "fp32" and dtype != torch.float32:
         return residual.float() + hidden_states.float()  # unrounded: the next norm reads it
@@ -114,27 +113,26 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
 
 def _final_norm_forward(self, hidden_states):
     """Final RMSNorm, one rounding; reads the fp32 sum when the last layer returned one."""
-    return regions.rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon)
+    return getattr(self, _KERNELS_ATTR).rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self, x):
-    return self.down_proj(regions.swiglu_fused(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(getattr(self, _KERNELS_ATTR).swiglu_fused(self.gate_proj(x), self.up_proj(x)))
 
 
 def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  plan: RoundingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                  plan: RoundingPlan, K) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: (B, T, H, D) straight from the projections -> (B, H, T, D) after [q/k norm and] RoPE."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     out = []
     for x, norm in ((q, getattr(attn, "q_norm", None)), (k, getattr(attn, "k_norm", None))):
         if norm is not None and plan.qk_norm_rope == "fused":
-            x = regions.rmsnorm_fused(x, norm.weight, norm.variance_epsilon, keep_fp32=True)
-            out.append(regions.rope_fused(x.transpose(1, 2), cos, sin))
+            out.append(K.qk_norm_rope_fused(x, norm.weight, norm.variance_epsilon, cos, sin))
             continue
         if norm is not None:
-            x = _norm(norm, x, plan)
+            x = _norm(norm, x, plan, K)
         x = x.transpose(1, 2)
-        out.append(regions.rope_fused(x, cos, sin) if plan.rope == "fused" else regions.rope_hf(x, cos, sin))
+        out.append(K.rope_fused(x, cos, sin) if plan.rope == "fused" else regions.rope_hf(x, cos, sin))
     return out[0], out[1]
 
 
@@ -149,7 +147,8 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    query_states, key_states = _qk_norm_rope(self, query_states, key_states, cos, sin, plan)
+    query_states, key_states = _qk_norm_rope(self, query_states, key_states, cos, sin, plan,
+                                             getattr(self, _KERNELS_ATTR))
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -178,17 +177,19 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
 # ----------------------------------------------------------------------------------------------
 
 
-def _install(module: nn.Module, fn, plan: RoundingPlan) -> None:
+def _install(module: nn.Module, fn, plan: RoundingPlan, kernels) -> None:
     module.forward = types.MethodType(fn, module)
     setattr(module, _PLAN_ATTR, plan)
+    setattr(module, _KERNELS_ATTR, kernels)
 
 
 def _uninstall(module: nn.Module) -> None:
-    module.__dict__.pop("forward", None)
-    module.__dict__.pop(_PLAN_ATTR, None)
+    for attr in ("forward", _PLAN_ATTR, _KERNELS_ATTR):
+        module.__dict__.pop(attr, None)
 
 
-def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled") -> nn.Module:
+def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled", kernels: str = "eager"
+                    ) -> nn.Module:
     """Make ``model`` round like ``engine`` in the regions ``variant`` selects; in place, returns ``model``.
 
     Args:
@@ -199,6 +200,10 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             RMSNorm and every other RMSNorm) or ``full`` (every region where the engine differs).
         engine: ``vllm-compiled`` (vLLM's default: Inductor-fused native formulas) or ``vllm-eager``
             (``enforce_eager=True``: vLLM's CUDA custom ops).
+        kernels: how the fp32 regions run: ``eager`` (separate torch ops; the exact reference, bitwise
+            equal to the emulated engine) or ``compiled`` (``torch.compile``: one fused kernel per region,
+            cheaper, as vLLM's compiled engine runs them; Inductor may order the RMSNorm reduction
+            differently, ~1e-5 of elements 1 ulp apart). Compilation happens on the first forward.
 
     Re-applying replaces the previous alignment (applying the same variant twice is the same as
     once). Only this instance changes; the transformers classes are not touched.
@@ -210,24 +215,26 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     if act != "silu":
         raise ValueError(f"roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act={act!r}")
     plan = plan_for(engine, variant)
+    K = regions.region_kernels(kernels)
 
     for layer in trunk.layers:
         for m in (layer, layer.self_attn, layer.mlp):
             _uninstall(m)
         if plan.norm == "fused":
-            _install(layer, _decoder_layer_forward, plan)
+            _install(layer, _decoder_layer_forward, plan, K)
         if plan.rope == "fused" or plan.norm == "fused":  # RoPE and/or Qwen3 q/k norms live in attention
             if plan.rope == "fused" or _is_qwen3(layer.self_attn):
-                _install(layer.self_attn, _attention_forward, plan)
+                _install(layer.self_attn, _attention_forward, plan, K)
         if plan.swiglu == "fused":
-            _install(layer.mlp, _mlp_forward, plan)
+            _install(layer.mlp, _mlp_forward, plan, K)
     _uninstall(trunk.norm)
     if plan.norm == "fused":
-        _install(trunk.norm, _final_norm_forward, plan)
-    setattr(model, _STATE_ATTR, (variant, engine))
+        _install(trunk.norm, _final_norm_forward, plan, K)
+    setattr(model, _STATE_ATTR, (variant, engine, kernels))
     return model
 
 
-def alignment_of(model: nn.Module) -> tuple[str, str]:
-    """``(variant, engine)`` last applied to ``model``; ``("baseline", "vllm-compiled")`` if never aligned."""
-    return getattr(model, _STATE_ATTR, ("baseline", "vllm-compiled"))
+def alignment_of(model: nn.Module) -> tuple[str, str, str]:
+    """``(variant, engine, kernels)`` last applied to ``model``; ``("baseline", "vllm-compiled", "eager")`` if
+    never aligned."""
+    return getattr(model, _STATE_ATTR, ("baseline", "vllm-compiled", "eager"))

@@ -116,3 +116,35 @@ def add_rmsnorm_bf16_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float
     output once. Returns ``(normed, new_residual)``."""
     s = x + residual
     return rmsnorm_fused(s, weight, eps), s
+
+
+def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """Qwen3 q/k norm feeding RoPE inside one fused kernel (vLLM compiled): ``x`` (B, T, H, D) bf16 ->
+    (B, H, T, D); the normalized value stays fp32 into RoPE and only RoPE's output is rounded."""
+    return rope_fused(rmsnorm_fused(x, weight, eps, keep_fp32=True).transpose(1, 2), cos, sin)
+
+
+# -- kernel sets ---------------------------------------------------------------------------------
+# "eager": the formulas above as separate torch ops (exact, the reference; each op is a memory pass,
+# so the fp32 regions cost ~10% more than HF's bf16 ops on CPU). "compiled": the same formulas through
+# torch.compile (Inductor), one fused kernel per region, as vLLM's compiled engine runs them. Inductor
+# may reduce the RMSNorm mean in another order (~1e-5 of elements 1 ulp apart, tests/test_inductor.py).
+
+KERNEL_MODES = ("eager", "compiled")
+_FUSED = ("rope_fused", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum",
+          "qk_norm_rope_fused")
+_KERNEL_CACHE: dict[str, object] = {}
+
+
+def region_kernels(mode: str = "eager"):
+    """Namespace of the fused region functions in ``mode`` (compiled ones are built once per process)."""
+    import types
+
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown region kernel mode {mode!r}; valid: {', '.join(KERNEL_MODES)}")
+    if mode not in _KERNEL_CACHE:
+        fns = {name: globals()[name] for name in _FUSED}
+        if mode == "compiled":
+            fns = {name: torch.compile(fn, dynamic=True) for name, fn in fns.items()}
+        _KERNEL_CACHE[mode] = types.SimpleNamespace(mode=mode, **fns)
+    return _KERNEL_CACHE[mode]

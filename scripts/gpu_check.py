@@ -1,0 +1,435 @@
+"""GPU check: does Triton-compiled vLLM round where roundalign says, and what does ``full`` cost?
+
+On one CUDA GPU, in under 5 minutes:
+
+    python scripts/gpu_check.py --out results/bench/gpu
+
+Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1 minute):
+
+    python scripts/gpu_check.py --device cpu --tiny --out /tmp/gpu_check_smoke
+
+(a) Inductor comparison. vLLM's ``forward_native`` formulas (RMSNorm with and without residual,
+    SiluAndMul, neox RoPE, Qwen3 q/k norm -> RoPE as one graph; copied verbatim as in
+    ``tests/test_inductor.py``) are compiled with ``torch.compile(backend="inductor", dynamic=False)``,
+    which on CUDA generates Triton kernels, at realistic sizes (4096 tokens, Qwen2.5-1.5B widths). Each
+    compiled output is compared with roundalign's ``*_fused`` region (one rounding) and ``*_hf`` region
+    (HF eager rounding), both run eagerly on the same device: fraction of elements bitwise equal and max
+    bf16 ulp difference. Expectation from CPU: fused == compiled (up to fp32 reduction-order noise in
+    the norms, and possibly FMA contraction: Triton's ``enable_fp_fusion`` is on unless
+    ``emulate_precision_casts``), hf != compiled on ~25-45% of elements. For q/k norm -> RoPE the
+    ``split`` row (norm output rounded to bf16 before RoPE) tells whether Triton kept the normalized q/k
+    in fp32 across the fusion boundary, as CPU Inductor does.
+(b) Cost. A randomly initialised Qwen2.5-1.5B-sized Qwen2ForCausalLM (bf16, sdpa attention) runs
+    forward (no grad) and forward+backward (loss on the input ids) on batch x seq tokens for each
+    variant (``baseline``, and ``apply_alignment(model, v, "vllm-compiled")`` for the others), interleaved
+    round-robin after warm-up, timed with synchronisation; median over rounds, ratio to baseline, peak
+    memory per variant.
+(c) A table on stdout, and ``gpu_check.json`` + ``gpu_check.md`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+BF16 = torch.bfloat16
+EPS = 1e-6
+
+# Qwen2.5-1.5B widths (the inductor check uses them too) and a tiny set for the CPU smoke test
+SIZES = {
+    "full": dict(tokens=4096, hidden=1536, inter=8960, heads=12, kv_heads=2, head_dim=128, max_pos=32768),
+    "tiny": dict(tokens=64, hidden=128, inter=256, heads=4, kv_heads=2, head_dim=32, max_pos=1024),
+}
+MODELS = {
+    "full": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM forward_native formulas (verbatim; see tests/test_inductor.py)
+
+
+def vllm_rms_norm(x, weight, eps, residual=None):
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    if residual is not None:
+        x = x + residual
+        residual = x.to(orig_dtype)
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    x = x.to(orig_dtype)
+    if weight is not None:
+        x = x * weight
+    if residual is None:
+        return x
+    return x, residual
+
+
+def vllm_silu_and_mul(x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def vllm_apply_rotary_emb_torch(x, cos, sin):
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    return torch.cat((o1, o2), dim=-1)
+
+
+def vllm_rope_forward_native(positions, query, key, head_size, cos_sin_cache):
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    query_shape = query.shape
+    query = vllm_apply_rotary_emb_torch(query.view(num_tokens, -1, head_size), cos, sin).reshape(query_shape)
+    key_shape = key.shape
+    key = vllm_apply_rotary_emb_torch(key.view(num_tokens, -1, head_size), cos, sin).reshape(key_shape)
+    return query, key
+
+
+def vllm_cos_sin_cache(head_size, max_pos, base, dtype, device):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float, device=device) / head_size))
+    t = torch.arange(max_pos, dtype=torch.float, device=device)
+    freqs = torch.einsum("i,j -> ij", t, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def vllm_qwen3_qk_norm_rope(positions, q, k, q_weight, k_weight, cos_sin_cache, head_dim):
+    q_by_head = vllm_rms_norm(q.view(*q.shape[:-1], q.shape[-1] // head_dim, head_dim), q_weight, EPS)
+    k_by_head = vllm_rms_norm(k.view(*k.shape[:-1], k.shape[-1] // head_dim, head_dim), k_weight, EPS)
+    return vllm_rope_forward_native(positions, q_by_head.view(q.shape), k_by_head.view(k.shape), head_dim,
+                                    cos_sin_cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ulp_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """(fraction of elements bitwise equal, max |difference| in bf16 ulps) of two bf16 tensors."""
+    assert a.dtype == BF16 and b.dtype == BF16 and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+
+    def ordered(t):
+        u = t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        mag = u & 0x7FFF
+        return torch.where((u & 0x8000) != 0, -mag, mag)
+
+    d = (ordered(a) - ordered(b)).abs()
+    return float((d == 0).double().mean().item()), int(d.max().item())
+
+
+def _rand(shape, gen, device, scale=1.0):
+    x = torch.randn(shape, generator=gen, device=device) * scale
+    x[..., :: max(1, shape[-1] // 8)] *= 20.0  # outlier channels, as in real activations
+    return x.to(BF16)
+
+
+def _weight(d, gen, device):
+    return torch.exp(0.3 * torch.randn(d, generator=gen, device=device)).to(BF16)
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) Inductor comparison
+
+
+def check_inductor(device: torch.device, s: dict, seed: int) -> list[dict]:
+    from roundalign.numerics import regions
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, H, KVH, D = s["tokens"], s["heads"], s["kv_heads"], s["head_dim"]
+    rows: list[dict] = []
+
+    def add(region, comparison, got, ref, seconds=None):
+        frac, max_ulp = ulp_stats(got, ref)
+        rows.append(dict(region=region, comparison=comparison, frac_bitwise_equal=frac, max_ulp=max_ulp,
+                         numel=got.numel(), compile_s=seconds))
+
+    def compile_run(fn, *args):
+        compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = compiled(*args)
+        sync(device)
+        return out, time.perf_counter() - t0
+
+    cache = vllm_cos_sin_cache(D, s["max_pos"], 1e6, BF16, device)
+    pos = torch.randint(0, s["max_pos"], (T,), generator=gen, device=device)
+    cos_h, sin_h = cache.index_select(0, pos).chunk(2, dim=-1)
+    cos = torch.cat((cos_h, cos_h), -1).unsqueeze(-2)  # (T, 1, D), neox layout for the regions
+    sin = torch.cat((sin_h, sin_h), -1).unsqueeze(-2)
+
+    with torch.no_grad():
+        # RoPE
+        q, k = _rand((T, H * D), gen, device), _rand((T, KVH * D), gen, device)
+        (cq, ck), sec = compile_run(lambda p, a, b: vllm_rope_forward_native(p, a, b, D, cache), pos, q, k)
+        for name, x, c, h in (("rope q", q, cq, H), ("rope k", k, ck, KVH)):
+            xh = x.view(T, h, D)
+            add(name, "fused-vs-compiled", c, regions.rope_fused(xh, cos, sin).reshape(x.shape), sec)
+            add(name, "hf-vs-compiled", c, regions.rope_hf(xh, cos, sin).reshape(x.shape))
+
+        # SwiGLU
+        gu = _rand((T, 2 * s["inter"]), gen, device)
+        c, sec = compile_run(vllm_silu_and_mul, gu)
+        gate, up = gu[..., : s["inter"]], gu[..., s["inter"]:]
+        add("silu_and_mul", "fused-vs-compiled", c, regions.swiglu_fused(gate, up), sec)
+        add("silu_and_mul", "hf-vs-compiled", c, regions.swiglu_hf(gate, up))
+
+        # RMSNorm, no residual
+        w = _weight(s["hidden"], gen, device)
+        x = _rand((T, s["hidden"]), gen, device)
+        c, sec = compile_run(lambda a: vllm_rms_norm(a, w, EPS), x)
+        add("rms_norm", "fused-vs-compiled", c, regions.rmsnorm_fused(x, w, EPS), sec)
+        add("rms_norm", "hf-vs-compiled", c, regions.rmsnorm_hf(x, w, EPS))
+
+        # residual add + RMSNorm
+        x, r = _rand((T, s["hidden"]), gen, device), _rand((T, s["hidden"]), gen, device, 4.0)
+        (c, c_res), sec = compile_run(lambda a, b: vllm_rms_norm(a, w, EPS, residual=b), x, r)
+        fused, fused_res = regions.add_rmsnorm_fp32_sum(x, r, w, EPS)
+        add("add_rms_norm", "fused-vs-compiled", c, fused, sec)
+        add("add_rms_norm", "hf-vs-compiled", c, regions.rmsnorm_hf(x + r, w, EPS))
+        add("add_rms_norm", "bf16sum-vs-compiled", c, regions.add_rmsnorm_bf16_sum(x, r, w, EPS)[0])
+        add("add_rms_norm residual", "hf-vs-compiled", c_res, x + r)
+        add("add_rms_norm residual", "fused-vs-compiled", c_res, fused_res)
+
+        # Qwen3 q/k norm -> RoPE, one graph
+        qw, kw = _weight(D, gen, device), _weight(D, gen, device)
+        q, k = _rand((T, H * D), gen, device), _rand((T, KVH * D), gen, device)
+        (cq, ck), sec = compile_run(lambda p, a, b: vllm_qwen3_qk_norm_rope(p, a, b, qw, kw, cache, D), pos, q, k)
+        for name, x, nw, c, h in (("qk_norm_rope q", q, qw, cq, H), ("qk_norm_rope k", k, kw, ck, KVH)):
+            xh = x.view(T, h, D)
+            fused = regions.rope_fused(regions.rmsnorm_fused(xh, nw, EPS, keep_fp32=True), cos, sin)
+            split = regions.rope_fused(regions.rmsnorm_fused(xh, nw, EPS), cos, sin)
+            hf = regions.rope_hf(regions.rmsnorm_hf(xh, nw, EPS), cos, sin)
+            add(name, "fused-vs-compiled", c, fused.reshape(x.shape), sec)
+            add(name, "split-vs-compiled", c, split.reshape(x.shape))
+            add(name, "hf-vs-compiled", c, hf.reshape(x.shape))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) cost of alignment
+
+
+def build_model(device: torch.device, cfg_kwargs: dict, attn: str, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**cfg_kwargs)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    model = model.to(BF16)
+    with torch.no_grad():  # non-unit norm weights, as trained checkpoints carry
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.exp(0.3 * torch.randn_like(p, dtype=torch.float32)).to(p.dtype))
+    model.set_attn_implementation(attn)
+    model.train()
+    return model
+
+
+def bench_model(device: torch.device, cfg_kwargs: dict, batch: int, seq: int, variants: list[str], engine: str,
+                warmup: int, rounds: int, attn: str, seed: int) -> list[dict]:
+    from roundalign import apply_alignment
+
+    model = build_model(device, cfg_kwargs, attn, seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, cfg_kwargs["vocab_size"], (batch, seq), device=device,
+                        generator=torch.Generator(device=device).manual_seed(seed))
+
+    def fwd() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids)
+        sync(device)
+        return time.perf_counter() - t0
+
+    def fwd_bwd() -> float:
+        model.zero_grad(set_to_none=True)
+        sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        sync(device)
+        return time.perf_counter() - t0
+
+    times = {v: {"fwd": [], "fwd_bwd": []} for v in variants}
+    peak = {v: 0 for v in variants}
+    for v in variants:
+        apply_alignment(model, v, engine)
+        for _ in range(warmup):
+            fwd()
+            fwd_bwd()
+    for _ in range(rounds):
+        for v in variants:
+            apply_alignment(model, v, engine)
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            times[v]["fwd"].append(fwd())
+            times[v]["fwd_bwd"].append(fwd_bwd())
+            if device.type == "cuda":
+                peak[v] = max(peak[v], torch.cuda.max_memory_allocated(device))
+    apply_alignment(model, "baseline", engine)
+
+    rows = []
+    base = {k: statistics.median(times[variants[0]][k]) for k in ("fwd", "fwd_bwd")}
+    for v in variants:
+        med = {k: statistics.median(times[v][k]) for k in ("fwd", "fwd_bwd")}
+        rows.append(dict(variant=v, engine=engine, fwd_ms=1e3 * med["fwd"], fwd_bwd_ms=1e3 * med["fwd_bwd"],
+                         fwd_ratio=med["fwd"] / base["fwd"], fwd_bwd_ratio=med["fwd_bwd"] / base["fwd_bwd"],
+                         fwd_bwd_min_ms=1e3 * min(times[v]["fwd_bwd"]), fwd_bwd_max_ms=1e3 * max(times[v]["fwd_bwd"]),
+                         peak_mem_gib=peak[v] / 2**30 if device.type == "cuda" else None,
+                         tokens=batch * seq, params=n_params, rounds=rounds))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) report
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def render_markdown(meta: dict, inductor_rows: list[dict], bench_rows: list[dict]) -> str:
+    lines = ["# roundalign GPU check", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    if inductor_rows:
+        lines += ["", "## (a) Inductor-compiled vLLM native formulas vs roundalign regions", "",
+                  "| region | comparison | bitwise equal | max ulp | elements | compile+run s |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in inductor_rows:
+            lines.append(f"| {r['region']} | {r['comparison']} | {100 * r['frac_bitwise_equal']:.4f}% | {r['max_ulp']} "
+                         f"| {r['numel']} | {_fmt(r['compile_s'], '.1f')} |")
+    if bench_rows:
+        lines += ["", "## (b) Cost of alignment (median over rounds)", "",
+                  "| variant | engine | fwd ms | fwd ratio | fwd+bwd ms | fwd+bwd ratio | fwd+bwd min-max ms | peak GiB |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in bench_rows:
+            lines.append(f"| {r['variant']} | {r['engine']} | {r['fwd_ms']:.1f} | {r['fwd_ratio']:.3f} | "
+                         f"{r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_ratio']:.3f} | "
+                         f"{r['fwd_bwd_min_ms']:.1f}-{r['fwd_bwd_max_ms']:.1f} | {_fmt(r['peak_mem_gib'], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    meta = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": str(device)}
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+        meta["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            meta["triton"] = triton.__version__
+        except ImportError:
+            meta["triton"] = None
+    else:
+        meta["cpu"] = platform.processor() or platform.machine()
+    from torch._inductor import config as inductor_config
+
+    meta["inductor_emulate_precision_casts"] = inductor_config.emulate_precision_casts
+    return meta
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default="results/bench/gpu",
+                   help="directory for gpu_check.json and gpu_check.md (default: %(default)s)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (the real check) or cpu (smoke test of the code paths; use with --tiny)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny sizes (64 tokens, 2-layer hidden-64 model) for a quick smoke test")
+    p.add_argument("--batch", type=int, default=None, help="benchmark batch size (default 4; tiny: 2)")
+    p.add_argument("--seq", type=int, default=None, help="benchmark sequence length (default 1024; tiny: 32)")
+    p.add_argument("--variants", default="baseline,full",
+                   help="comma-separated alignment variants to time; the first is the ratio's denominator "
+                        "(default: %(default)s)")
+    p.add_argument("--engine", default="vllm-compiled", choices=["vllm-compiled", "vllm-eager"],
+                   help="engine passed to apply_alignment (default: %(default)s)")
+    p.add_argument("--attn", default="sdpa", help="attention implementation of the benchmark model (default: sdpa)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up iterations per variant (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed round-robin rounds, median reported (default 10; tiny: 3)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--skip-inductor", action="store_true", help="skip part (a), the Inductor comparison")
+    p.add_argument("--skip-bench", action="store_true", help="skip part (b), the model timing")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device is available (torch.cuda.is_available() is False). This script checks "
+              "Triton-compiled numerics and GPU cost; for a CPU smoke test of its code paths run\n"
+              "  python scripts/gpu_check.py --device cpu --tiny --out /tmp/gpu_check_smoke", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    size = "tiny" if args.tiny else "full"
+    batch = args.batch or (2 if args.tiny else 4)
+    seq = args.seq or (32 if args.tiny else 1024)
+    rounds = args.rounds or (3 if args.tiny else 10)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # a fresh Inductor/Triton cache: every kernel is compiled under this run's settings
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="roundalign_gpu_check_inductor_")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "triton"))
+
+    t_start = time.perf_counter()
+    meta = environment(device)
+    meta.update(size=size, inductor_sizes=SIZES[size], bench_batch=batch, bench_seq=seq, rounds=rounds,
+                warmup=args.warmup, attn=args.attn, seed=args.seed)
+
+    inductor_rows: list[dict] = []
+    if not args.skip_inductor:
+        t0 = time.perf_counter()
+        inductor_rows = check_inductor(device, SIZES[size], args.seed)
+        meta["inductor_check_s"] = round(time.perf_counter() - t0, 1)
+    bench_rows: list[dict] = []
+    if not args.skip_bench:
+        t0 = time.perf_counter()
+        bench_rows = bench_model(device, MODELS[size], batch, seq, variants, args.engine, args.warmup, rounds,
+                                 args.attn, args.seed)
+        meta["bench_s"] = round(time.perf_counter() - t0, 1)
+    meta["total_s"] = round(time.perf_counter() - t_start, 1)
+
+    md = render_markdown(meta, inductor_rows, bench_rows)
+    print(md)
+    (out / "gpu_check.md").write_text(md)
+    (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows},
+                                                   indent=2, default=str) + "\n")
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The ``vllm-compiled`` rounding style is what Inductor makes of vLLM's native formulas.
+
+vLLM (default -O2: ``CompilationMode.VLLM_COMPILE``, Inductor, ``custom_ops="none"``) runs the
+``forward_native`` Python formulas of RMSNorm, SiluAndMul and RotaryEmbedding through Inductor, which
+computes fused elementwise chains in fp32 and drops the bf16 down-casts written between them. vLLM is not
+installed here, so those formulas are copied below verbatim (they are a few lines each) and compiled with
+``torch.compile(backend="inductor", dynamic=False)`` on CPU. Each compiled result is compared with the
+roundalign ``*_fused`` region, and the same formulas run eagerly are shown to round differently (so the
+comparison has teeth: without compilation they agree with HF, not with the fused regions).
+
+Slow: five small Inductor compilations (C++ codegen + gcc), all with fixed shapes; the Inductor cache goes
+to a per-session temporary directory.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roundalign.numerics import regions
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.slow
+
+BF16 = torch.bfloat16
+EPS = 1e-6
+T = 256  # tokens
+HIDDEN = 896
+INTER = 4864
+HEAD_DIM = 128
+N_HEADS, N_KV_HEADS = 8, 2
+MAX_POS = 8192
+THETA = 1e6
+MAX_NORM_FRAC = 1e-4  # fp32 reduction-order noise allowed for the norms (bitwise elsewhere)
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM forward_native formulas (vllm/model_executor/layers/{layernorm,activation,rotary_embedding}.py)
+
+
+def vllm_rms_norm(x, weight, eps, residual=None):
+    """``RMSNorm.forward_static`` (no variance_size_override)."""
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    if residual is not None:
+        x = x + residual
+        residual = x.to(orig_dtype)
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    x = x.to(orig_dtype)
+    if weight is not None:
+        x = x * weight
+    if residual is None:
+        return x
+    return x, residual
+
+
+def vllm_silu_and_mul(x):
+    """``SiluAndMul.forward_native``: x is the merged gate_up projection output."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def vllm_apply_rotary_emb_torch(x, cos, sin, is_neox_style=True):
+    """``_apply_rotary_emb_torch``: x (T, H, rot_dim), cos/sin (T, rot_dim // 2)."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def vllm_rope_forward_native(positions, query, key, head_size, cos_sin_cache, is_neox_style=True):
+    """``RotaryEmbedding.forward_native`` with rotary_dim == head_size."""
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+
+    query_shape = query.shape
+    query = query.view(num_tokens, -1, head_size)
+    query = vllm_apply_rotary_emb_torch(query, cos, sin, is_neox_style).reshape(query_shape)
+
+    key_shape = key.shape
+    key = key.view(num_tokens, -1, head_size)
+    key = vllm_apply_rotary_emb_torch(key, cos, sin, is_neox_style).reshape(key_shape)
+    return query, key
+
+
+def vllm_cos_sin_cache(head_size, max_pos, base, dtype):
+    """``RotaryEmbedding._compute_cos_sin_cache`` then ``.to(dtype)`` (vLLM keeps the cache in the model dtype)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size))
+    t = torch.arange(max_pos, dtype=torch.float)
+    freqs = torch.einsum("i,j -> ij", t, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def vllm_qwen3_qk_norm_rope(positions, q, k, q_weight, k_weight, cos_sin_cache):
+    """Qwen3Attention.forward between the qkv split and attention: per-head q/k RMSNorm, then RoPE."""
+    q_by_head = q.view(*q.shape[:-1], q.shape[-1] // HEAD_DIM, HEAD_DIM)
+    q_by_head = vllm_rms_norm(q_by_head, q_weight, EPS)
+    q = q_by_head.view(q.shape)
+    k_by_head = k.view(*k.shape[:-1], k.shape[-1] // HEAD_DIM, HEAD_DIM)
+    k_by_head = vllm_rms_norm(k_by_head, k_weight, EPS)
+    k = k_by_head.view(k.shape)
+    return vllm_rope_forward_native(positions, q, k, HEAD_DIM, cos_sin_cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def bits(t):
+    assert t.dtype == BF16
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def ulp_diff(a, b):
+    def ordered(u):
+        u = u.astype(np.int64)
+        return np.where(u & 0x8000, -(u & 0x7FFF), u & 0x7FFF)
+
+    return np.abs(ordered(bits(a)) - ordered(bits(b)))
+
+
+def frac_diff(a, b):
+    return float((ulp_diff(a, b) != 0).mean())
+
+
+def _rand(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * scale
+    x[..., :: max(1, shape[-1] // 8)] *= 20.0  # outlier channels: rows span several binades
+    return x.to(BF16)
+
+
+def _weight(d, seed):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.exp(0.3 * torch.randn(d, generator=g)).to(BF16)
+
+
+def _positions(seed):
+    return torch.randint(0, MAX_POS, (T,), generator=torch.Generator().manual_seed(2000 + seed))
+
+
+def _full_tables(cache, positions):
+    """neox cos/sin (T, 1, D) in bf16, as the HF-style regions take them."""
+    cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
+    return torch.cat((cos, cos), -1).unsqueeze(-2), torch.cat((sin, sin), -1).unsqueeze(-2)
+
+
+# (scale) of the two input sets run through each compiled function: ordinary and large-magnitude
+SCALES = (1.0, 300.0)
+
+
+@pytest.fixture(scope="module")
+def compile_fn(tmp_path_factory):
+    """torch.compile with Inductor on CPU, its cache in a temporary directory; reports compile times."""
+    times = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor_cache")))
+        torch._dynamo.reset()
+
+        def compile_and_run(name, fn, *args):
+            compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = compiled(*args)
+            times[name] = time.perf_counter() - t0
+            print(f"\n[inductor] compiled+ran {name} in {times[name]:.1f}s")
+            return compiled
+
+        yield compile_and_run
+        torch._dynamo.reset()
+    print("\n[inductor] total compile time {:.1f}s".format(sum(times.values())))
+
+
+def _report(name, got, fused, eager):
+    d = ulp_diff(got, fused)
+    f_fused, f_eager = float((d != 0).mean()), frac_diff(got, eager)
+    print(f"\n{name}: compiled != fused on {f_fused:.2e} of {d.size} elements (max {d.max()} ulp); "
+          f"compiled != eager native on {100 * f_eager:.1f}%")
+    return d, f_fused, f_eager
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def test_vllm_cos_sin_cache_equals_hf_tables():
+    """The bf16 cos/sin tables of both stacks are bitwise equal (both: fp32 angles, one rounding)."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    cfg = Qwen2Config(hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS,
+                      rope_parameters={"rope_type": "default", "rope_theta": THETA}, max_position_embeddings=MAX_POS)
+    pos = torch.arange(MAX_POS)[None]
+    cos, sin = Qwen2RotaryEmbedding(cfg)(torch.empty(0, dtype=BF16), pos)
+    cache = vllm_cos_sin_cache(HEAD_DIM, MAX_POS, THETA, BF16)
+    cos_full, sin_full = _full_tables(cache, pos[0])
+    assert torch.equal(cos_full[:, 0], cos[0]) and torch.equal(sin_full[:, 0], sin[0])
+
+
+def test_rope_compiled_equals_fused(compile_fn):
+    cache = vllm_cos_sin_cache(HEAD_DIM, MAX_POS, THETA, BF16)
+    pos = _positions(0)
+    fn = lambda p, q, k: vllm_rope_forward_native(p, q, k, HEAD_DIM, cache)  # noqa: E731
+    q0, k0 = _rand((T, N_HEADS * HEAD_DIM), 0), _rand((T, N_KV_HEADS * HEAD_DIM), 1)
+    compiled = compile_fn("rope", fn, pos, q0, k0)
+    cos, sin = _full_tables(cache, pos)
+    for scale in SCALES:
+        q, k = _rand((T, N_HEADS * HEAD_DIM), 0, scale), _rand((T, N_KV_HEADS * HEAD_DIM), 1, scale)
+        with torch.no_grad():
+            cq, ck = compiled(pos, q, k)
+            eq, ek = fn(pos, q, k)
+        for x, c, e, h in ((q, cq, eq, N_HEADS), (k, ck, ek, N_KV_HEADS)):
+            xh = x.view(T, h, HEAD_DIM)
+            fused = regions.rope_fused(xh, cos, sin).reshape(x.shape)
+            _, f_fused, f_eager = _report(f"rope (scale {scale}, {h} heads)", c, fused, e)
+            assert torch.equal(c, fused)  # bitwise
+            assert torch.equal(e, regions.rope_hf(xh, cos, sin).reshape(x.shape))  # eager native = HF
+            assert f_eager > 0.05  # compilation really moved the rounding
+
+
+def test_silu_and_mul_compiled_equals_fused(compile_fn):
+    x0 = _rand((T, 2 * INTER), 3)
+    compiled = compile_fn("silu_and_mul", vllm_silu_and_mul, x0)
+    for scale in SCALES:
+        x = _rand((T, 2 * INTER), 3, scale)
+        with torch.no_grad():
+            c, e = compiled(x), vllm_silu_and_mul(x)
+        gate, up = x[..., :INTER], x[..., INTER:]
+        _, _, f_eager = _report(f"silu_and_mul (scale {scale})", c, regions.swiglu_fused(gate, up), e)
+        assert torch.equal(c, regions.swiglu_fused(gate, up))  # bitwise
+        assert torch.equal(e, regions.swiglu_hf(gate, up))  # eager native = HF
+        # large |gate| saturates silu (silu(g) = g or ~0, often exact), so fewer elements differ there
+        assert f_eager > (0.05 if scale == 1.0 else 0.01)
+
+
+def _assert_norm_close(d, frac):
+    assert frac <= MAX_NORM_FRAC, frac
+    assert d.max() <= 1, d.max()
+
+
+def test_rms_norm_compiled_equals_fused(compile_fn):
+    w = _weight(HIDDEN, 0)
+    fn = lambda x: vllm_rms_norm(x, w, EPS)  # noqa: E731
+    compiled = compile_fn("rms_norm", fn, _rand((T, HIDDEN), 4))
+    for scale in SCALES:
+        x = _rand((T, HIDDEN), 4, scale)
+        with torch.no_grad():
+            c, e = compiled(x), fn(x)
+        d, frac, f_eager = _report(f"rms_norm (scale {scale})", c, regions.rmsnorm_fused(x, w, EPS), e)
+        _assert_norm_close(d, frac)
+        assert torch.equal(e, regions.rmsnorm_hf(x, w, EPS))  # eager native = HF
+        assert f_eager > 0.05
+
+
+def test_add_rms_norm_compiled_equals_fp32_sum(compile_fn):
+    w = _weight(HIDDEN, 1)
+    fn = lambda x, r: vllm_rms_norm(x, w, EPS, residual=r)  # noqa: E731
+    compiled = compile_fn("add_rms_norm", fn, _rand((T, HIDDEN), 5), _rand((T, HIDDEN), 6))
+    for scale in SCALES:
+        x, r = _rand((T, HIDDEN), 5, scale), _rand((T, HIDDEN), 6, 4 * scale)
+        with torch.no_grad():
+            (c, c_res), (e, e_res) = compiled(x, r), fn(x, r)
+        fused, fused_res = regions.add_rmsnorm_fp32_sum(x, r, w, EPS)
+        d, frac, f_eager = _report(f"add_rms_norm (scale {scale})", c, fused, e)
+        _assert_norm_close(d, frac)
+        assert torch.equal(c_res, fused_res) and torch.equal(c_res, x + r)  # residual stream: HF's bf16 add
+        assert torch.equal(e_res, x + r)
+        # eager native reads the fp32 sum too, but rounds the normalized value before the bf16 weight multiply
+        assert f_eager > 0.05
+        # and it is not the bf16-sum style either: the compiled graph reads the unrounded sum
+        assert frac_diff(c, regions.add_rmsnorm_bf16_sum(x, r, w, EPS)[0]) > 0.01
+
+
+def test_qwen3_qk_norm_rope_compiled_is_one_rounding(compile_fn):
+    """q/k norm and RoPE compiled as ONE graph: the normalized q/k stay fp32 into RoPE, one rounding after
+    RoPE = ``rope_fused(rmsnorm_fused(x, keep_fp32=True))``; the split style (norm rounded, then RoPE)
+    differs."""
+    cache = vllm_cos_sin_cache(HEAD_DIM, MAX_POS, THETA, BF16)
+    qw, kw = _weight(HEAD_DIM, 2), _weight(HEAD_DIM, 3)
+    pos = _positions(1)
+    fn = lambda p, q, k: vllm_qwen3_qk_norm_rope(p, q, k, qw, kw, cache)  # noqa: E731
+    compiled = compile_fn("qk_norm_rope", fn, pos, _rand((T, N_HEADS * HEAD_DIM), 7),
+                          _rand((T, N_KV_HEADS * HEAD_DIM), 8))
+    cos, sin = _full_tables(cache, pos)
+    for scale in SCALES:
+        q, k = _rand((T, N_HEADS * HEAD_DIM), 7, scale), _rand((T, N_KV_HEADS * HEAD_DIM), 8, scale)
+        with torch.no_grad():
+            (cq, ck), (eq, ek) = compiled(pos, q, k), fn(pos, q, k)
+        for x, w, c, e, h in ((q, qw, cq, eq, N_HEADS), (k, kw, ck, ek, N_KV_HEADS)):
+            xh = x.view(T, h, HEAD_DIM)
+            fused = regions.rope_fused(regions.rmsnorm_fused(xh, w, EPS, keep_fp32=True), cos, sin).reshape(x.shape)
+            split = regions.rope_fused(regions.rmsnorm_fused(xh, w, EPS), cos, sin).reshape(x.shape)
+            hf = regions.rope_hf(regions.rmsnorm_hf(xh, w, EPS), cos, sin).reshape(x.shape)
+            d, frac, f_eager = _report(f"qk_norm_rope (scale {scale}, {h} heads)", c, fused, e)
+            _assert_norm_close(d, frac)
+            assert torch.equal(e, hf)  # eager native = HF (norm: 2 roundings, RoPE: 3)
+            assert f_eager > 0.05
+            f_split = frac_diff(c, split)
+            print(f"  compiled != split (norm rounded, RoPE 1 rounding) on {100 * f_split:.1f}%")
+            assert f_split > 0.05
