@@ -278,14 +278,18 @@ def bench_model(device: torch.device, cfg_kwargs: dict, batch: int, seq: int, va
 
     times = {v: {"fwd": [], "fwd_bwd": []} for v in variants}
     peak = {v: 0 for v in variants}
+    def align(v: str) -> None:  # "full/compiled" = variant full with torch.compile'd region kernels
+        variant, _, kernels = v.partition("/")
+        apply_alignment(model, variant, engine, kernels=kernels or "eager")
+
     for v in variants:
-        apply_alignment(model, v, engine)
+        align(v)
         for _ in range(warmup):
             fwd()
             fwd_bwd()
     for _ in range(rounds):
         for v in variants:
-            apply_alignment(model, v, engine)
+            align(v)
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -370,7 +374,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tiny sizes (64 tokens, 2-layer hidden-64 model) for a quick smoke test")
     p.add_argument("--batch", type=int, default=None, help="benchmark batch size (default 4; tiny: 2)")
     p.add_argument("--seq", type=int, default=None, help="benchmark sequence length (default 1024; tiny: 32)")
-    p.add_argument("--variants", default="baseline,full",
+    p.add_argument("--variants", default="baseline,full,full/compiled",
                    help="comma-separated alignment variants to time; the first is the ratio's denominator "
                         "(default: %(default)s)")
     p.add_argument("--engine", default="vllm-compiled", choices=["vllm-compiled", "vllm-eager"],

@@ -179,3 +179,20 @@ def test_forwards_mirror_stock_transformers():
             got[prefix + cls] = _source_hash(getattr(mod, prefix + cls).forward)
     got["apply_rotary_pos_emb"] = _source_hash(modeling_qwen2.apply_rotary_pos_emb)
     assert got == STOCK_FORWARD_SHA256
+
+
+@pytest.mark.slow
+def test_compiled_region_kernels_match_the_eager_reference():
+    # kernels="compiled" runs each region as one Inductor kernel. RoPE and SwiGLU compile bitwise to the
+    # eager formulas, the RMSNorm mean may be reduced in another order (~1e-5 of elements 1 ulp apart,
+    # tests/test_inductor.py), which a 2-layer model can amplify only slightly.
+    eager = apply_alignment(random_qwen("qwen3"), "full")
+    compiled = apply_alignment(random_qwen("qwen3"), "full", kernels="compiled")
+    ref, out = logits(eager), logits(compiled)
+    assert (out == ref).float().mean().item() > 0.95
+    assert (out.float() - ref.float()).abs().max().item() < 0.05
+    assert alignment_of(compiled) == ("full", "vllm-compiled", "compiled")
+    grads = _grads(compiled.train())
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    with pytest.raises(ValueError, match=r"unknown region kernel mode 'triton'.*eager, compiled"):
+        apply_alignment(eager, "full", kernels="triton")
