@@ -28,6 +28,9 @@ def _setup_runtime() -> None:
 
     torch.set_num_threads(int(os.environ.get("ROUNDALIGN_THREADS", "1")))
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown our own progress lines
+    import datasets
+
+    datasets.disable_progress_bars()
 
 
 def _csv_list(text: str) -> tuple[str, ...]:
@@ -74,6 +77,31 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--dtype", default="bf16", help="model dtype: bf16, fp16, fp32 (default bf16)")
     pr.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default 0)")
     pr.add_argument("--out", required=True, help="output CSV; <stem>_layers.csv and <stem>.json go beside it")
+
+    from .config import BACKENDS, TASKS, TRAIN_VARIANTS
+
+    tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)")
+    tr.add_argument("--model", help="model directory or hub id")
+    tr.add_argument("--variant", help=f"one of {', '.join(TRAIN_VARIANTS)} (default full)")
+    tr.add_argument("--seed", type=int, help="seed (default 0)")
+    tr.add_argument("--out", required=True, help="run directory: metrics.jsonl, run.json, checkpoints/")
+    tr.add_argument("--config", help="YAML file of TrainConfig keys (see roundalign.config.TrainConfig)")
+    tr.add_argument("--backend", help=f"{', '.join(BACKENDS)} (default emulated)")
+    tr.add_argument("--engine", help=f"engine rounding / vLLM mode: {', '.join(ENGINES)} (default vllm-compiled)")
+    tr.add_argument("--attn", help=f"attention on both sides: {', '.join(ATTN_IMPLS)} (default eager)")
+    tr.add_argument("--task", help=f"{', '.join(TASKS)} (default arith)")
+    tr.add_argument("--steps", type=int, help="optimizer steps (default 20)")
+    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any TrainConfig key; repeatable")
+
+    pt = sub.add_parser("pretrain-tiny", help="short supervised warm start of a tiny model on arith (TRL SFT)")
+    pt.add_argument("--model", required=True, help="tiny model directory (from make-tiny)")
+    pt.add_argument("--out", required=True, help="output model directory (written atomically)")
+    pt.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    pt.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    pt.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
+    pt.add_argument("--max-operand", type=int, default=49, help="largest arith operand (default 49)")
+    pt.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     return p
 
 
@@ -101,20 +129,40 @@ def run_probe_cli(args) -> None:
     run_probe(cfg, args.out)
 
 
-VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli}
+def run_train_cli(args) -> int:
+    from .config import build_config, parse_set
+    from .train import run_train
+
+    flags = {k: getattr(args, k) for k in ("model", "variant", "seed", "backend", "engine", "attn", "task", "steps")
+             if getattr(args, k) is not None}
+    cfg = build_config(file=args.config, overrides={**flags, **parse_set(args.overrides)})
+    _setup_runtime()
+    return run_train(cfg, args.out).exit_code
+
+
+def run_pretrain_tiny(args) -> None:
+    from .pretrain import pretrain_tiny
+
+    _setup_runtime()
+    pretrain_tiny(args.model, args.out, steps=args.steps, learning_rate=args.lr, batch_size=args.batch_size,
+                  max_operand=args.max_operand, seed=args.seed)
+
+
+VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_cli,
+         "pretrain-tiny": run_pretrain_tiny}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
-        VERBS[args.verb](args)
+        code = VERBS[args.verb](args)
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError, TypeError,
             RuntimeError) as exc:
         if os.environ.get("ROUNDALIGN_DEBUG"):
             raise
         print(f"roundalign {args.verb}: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def _prompts(tokenizer, cfg: ProbeConfig) -> list[list[int]]:
     ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     out = []
     for p in problems:
-        ids = tokenizer(p["prompt"] + " ", add_special_tokens=False)["input_ids"]
+        ids = tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]
         if cfg.context_tokens:
             filler = ordinary[torch.randint(len(ordinary), (cfg.context_tokens,), generator=g)].tolist()
             ids = filler + ids

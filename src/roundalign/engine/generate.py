@@ -40,6 +40,10 @@ class Sample:
     layer_states: list[Tensor] | None = field(default=None, repr=False)
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The engine's logits contain NaN or inf: the policy has diverged (a collapsed run)."""
+
+
 def _sample_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63 - 1)
 
@@ -106,6 +110,8 @@ class Engine:
         for step in range(max_new_tokens):
             scaled = logits.float() / (temperature if temperature > 0 else 1.0)
             logp = torch.log_softmax(scaled, dim=-1)  # fp32, as vLLM's sampler
+            if not torch.isfinite(logits).all():
+                raise NonFiniteLogitsError(f"engine logits contain NaN/inf at completion position {step}")
             nxt = []
             for b in range(bsz):
                 if temperature == 0:

@@ -1,0 +1,97 @@
+"""Supervised warm start of a tiny model on ``arith`` with TRL's SFTTrainer, so GRPO starts from a policy
+that earns some reward (a random tiny model never answers correctly and GRPO would see zero advantage).
+
+    roundalign pretrain-tiny --model work/models/tiny-qwen2 --out work/models/tiny-qwen2-sft --steps 600
+
+Trains in fp32 (bf16 weight updates of a tiny model are mostly below one bf16 ulp) on prompt-completion
+pairs ``"What is 07+42?" -> " 49<|endoftext|>"`` (loss on the completion only), then saves the model in
+bf16 with the tokenizer, atomically. The training problems use a different seed stream from the GRPO
+prompts' seed, but the two sets may share problems: the warm start teaches the format, not the test set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+SFT_SEED_OFFSET = 10_000  # SFT problems are drawn from seed + offset, GRPO's from seed
+
+
+def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 600, learning_rate: float = 3e-3,
+                  batch_size: int = 32, max_operand: int = 49, seed: int = 0, log=print) -> Path:
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from .models import load_model, load_tokenizer
+    from .tasks.arith import arith_reward, make_arith_problems
+    from .tiny import META_FILE
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / META_FILE).is_file():
+        raise FileNotFoundError(f"{model_dir} is not a tiny model directory (no {META_FILE}); build one with "
+                                "roundalign make-tiny")
+    if steps < 1 or batch_size < 1 or not learning_rate > 0:
+        raise ValueError(f"steps ({steps}) and batch size ({batch_size}) must be >= 1, learning rate > 0")
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir), dtype="fp32", attn="eager")
+    eos = tokenizer.eos_token
+    problems = make_arith_problems(steps * batch_size, seed=seed + SFT_SEED_OFFSET, max_operand=max_operand,
+                                   fixed_width=True)
+    data = Dataset.from_list([{"prompt": p["prompt"], "completion": " " + p["answer"] + eos} for p in problems])
+    t0 = time.perf_counter()
+
+    class Progress(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                log(f"[pretrain-tiny] step {state.global_step}/{steps} loss={logs['loss']:.4f} "
+                    f"({time.perf_counter() - t0:.0f}s)")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SFTConfig(output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch_size,
+                         learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=min(20, steps // 10),
+                         logging_steps=max(1, steps // 10), save_strategy="no", report_to="none", seed=seed,
+                         bf16=False, use_cpu=True, disable_tqdm=True, gradient_checkpointing=False,
+                         completion_only_loss=True, dataset_num_proc=None)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                             callbacks=[Progress()])
+        trainer.remove_callback(PrinterCallback)  # our Progress line replaces its raw dict dumps
+        trainer.train()
+    model = trainer.model.to(torch.bfloat16).eval()
+    accuracy = _greedy_accuracy(model, tokenizer, max_operand, seed, arith_reward, make_arith_problems)
+    log(f"[pretrain-tiny] greedy accuracy on 64 held-out problems: {accuracy:.3f}")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        meta = json.loads((model_dir / META_FILE).read_text())
+        meta["sft"] = {"from": str(model_dir), "steps": steps, "learning_rate": learning_rate,
+                       "batch_size": batch_size, "max_operand": max_operand, "seed": seed,
+                       "greedy_accuracy_64": accuracy, "wall_time_s": round(time.perf_counter() - t0, 1)}
+        (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    log(f"[pretrain-tiny] wrote {out_dir}")
+    return out_dir
+
+
+def _greedy_accuracy(model, tokenizer, max_operand, seed, reward, make_problems) -> float:
+    from .engine import Engine
+
+    problems = make_problems(64, seed=seed + 2 * SFT_SEED_OFFSET, max_operand=max_operand, fixed_width=True)
+    ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
+    samples = Engine(model).generate(ids, max_new_tokens=6, temperature=0.0, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
+    return sum(reward(texts, [p["answer"] for p in problems])) / len(problems)

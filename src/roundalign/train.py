@@ -1,0 +1,407 @@
+"""GRPO on TRL's GRPOTrainer with an alignment variant, on the emulated CPU engine or real vLLM.
+
+    roundalign train --model work/models/tiny-qwen2-sft --variant full --seed 0 --out work/runs/q2-full-s0
+    roundalign train --model Qwen/Qwen2.5-Math-1.5B --variant rope --backend vllm --task math \\
+        --config configs/train/paper.yaml --out runs/q25m15-rope-s0
+
+This module builds a ``GRPOConfig`` from our ``TrainConfig``, applies the alignment to the policy before
+the trainer exists, wires the engine (``trl_bridge``), and keeps the run's files:
+
+- ``metrics.jsonl``: one JSON object per optimizer step, appended and flushed as the step ends;
+- ``run.json``: resolved config, versions, status (running|done|collapsed|preempted|failed), last step,
+  wall time, collapse step and reason; rewritten atomically;
+- ``checkpoints/checkpoint-N``: TRL/transformers checkpoints (model, optimizer, scheduler, RNG states,
+  data position) plus ``roundalign_state.json``; every ``checkpoint_every`` steps and on SIGTERM.
+
+Rerunning the same command on the same directory resumes from the newest checkpoint (metrics lines
+after it are dropped, so the file equals an uninterrupted run's); a finished run is left untouched.
+GRPO itself, the loss, the importance-sampling correction and the optimizer are TRL's and transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ConfigError, TrainConfig
+from .io import atomic_write_json, atomic_write_text
+
+# Wall-clock fields of metrics.jsonl: everything else is a deterministic function of config and seed.
+TIMING_KEYS = ("step_time_s", "tokens_per_s", "time/trl_step_time_s")
+FINISHED = ("done", "collapsed")
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: the scheduler sees a failed job and requeues or reruns it
+
+
+@dataclass
+class TrainResult:
+    status: str
+    last_step: int
+    exit_code: int
+    out_dir: Path
+
+
+def preflight(cfg: TrainConfig, out_dir: Path) -> None:
+    """Every check that needs no model: fails with a clear message before anything is loaded."""
+    import importlib.util
+
+    import torch
+
+    from .models import resolve_model_path
+
+    if cfg.backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "
+                               "on a GPU machine; on CPU use --backend emulated")
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'vllm' needs a CUDA GPU and none is visible; on CPU use --backend emulated")
+    resolve_model_path(cfg.model)
+    if cfg.task == "math" and Path(cfg.math_dataset).suffix in (".json", ".jsonl") \
+            and not Path(cfg.math_dataset).is_file():
+        raise FileNotFoundError(f"math_dataset file {cfg.math_dataset} does not exist")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {out_dir} exists and is not a directory")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise RuntimeError(f"{path} is corrupt ({exc}); move it away to start the run afresh") from None
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """Newest complete checkpoint (one whose trainer_state.json was written)."""
+    if not ckpt_dir.is_dir():
+        return None
+    done = [p for p in ckpt_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the metrics lines of steps <= last_step (a resumed run rewrites what came after). Returns kept."""
+    if not path.exists():
+        return 0
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut by a kill: everything after it is discarded
+        if rec.get("step", math.inf) <= last_step:
+            kept.append(line)
+    atomic_write_text(path, "".join(k + "\n" for k in kept))
+    return len(kept)
+
+
+def _config_diff(a: dict, b: dict) -> list[str]:
+    keys = sorted(set(a) | set(b))
+    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+class _RunFiles:
+    """metrics.jsonl + run.json of one run directory."""
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig):
+        self.out_dir = out_dir
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.run_path = out_dir / "run.json"
+        self.cfg = cfg
+        self.record: dict = {}
+
+    def start(self, previous: dict | None, resumed_from: int | None) -> None:
+        from .envinfo import environment_info
+
+        env = environment_info()
+        self.record = {
+            "config": self.cfg.to_dict(), "backend": self.cfg.backend, "engine": self.cfg.engine,
+            "variant": self.cfg.variant, "seed": self.cfg.seed, "model": self.cfg.model,
+            "versions": env["versions"], "git_sha": env["git_sha"], "device": env["device"],
+            "gpu_name": env["gpu_name"], "status": "running", "last_step": resumed_from or 0,
+            "wall_time_s": (previous or {}).get("wall_time_s", 0.0), "collapse": None, "reward_collapse": None,
+            "resumed_from": (previous or {}).get("resumed_from", []) + ([resumed_from] if resumed_from else []),
+            "error": None,
+        }
+        self.write()
+
+    def write(self) -> None:
+        atomic_write_json(self.run_path, self.record)
+
+    def append_metrics(self, rec: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
+    from transformers import TrainerCallback
+
+    from .trl_bridge import TRL_RENAMES
+
+    class RunCallback(TrainerCallback):
+        """Writes metrics.jsonl, detects collapse, honours SIGTERM, prints one progress line per step."""
+
+        def __init__(self):
+            self.t_step = None
+            self.last_tokens = None
+            self.best_reward_mean = -math.inf
+            self.rewards: list[float] = []
+
+        def on_step_begin(self, args, st, control, **kw):
+            self.t_step = time.perf_counter()
+
+        def on_step_end(self, args, st, control, **kw):
+            if state["sigterm"]:
+                control.should_save = True
+                control.should_training_stop = True
+
+        def on_log(self, args, st, control, logs=None, **kw):
+            if not logs or "loss" not in logs:
+                return  # the end-of-training summary
+            step_time = time.perf_counter() - (self.t_step or time.perf_counter())
+            rec = {"step": st.global_step}
+            for key, value in logs.items():
+                if key == "step_time":
+                    rec["time/trl_step_time_s"] = value
+                elif key.startswith("rewards/"):
+                    rec["reward/" + key[len("rewards/"):]] = value
+                else:
+                    rec[TRL_RENAMES.get(key, key)] = value
+            tokens = rec.get("tokens/total")
+            new_tokens = tokens - self.last_tokens if tokens is not None and self.last_tokens is not None else tokens
+            self.last_tokens = tokens
+            rec["step_time_s"] = step_time
+            rec["tokens_per_s"] = (new_tokens / step_time) if new_tokens and step_time > 0 else None
+            files.append_metrics(rec)
+            files.record["last_step"] = st.global_step
+            bad = [k for k in ("optim/loss", "optim/grad_norm", "mismatch/token/k3") if k in rec
+                   and not _finite(rec[k])]
+            if bad:
+                state["collapse"] = {"step": st.global_step, "reason": "non-finite " + ", ".join(
+                    f"{k}={rec[k]}" for k in bad)}
+                control.should_training_stop = True
+            self._reward_collapse(st.global_step, rec.get("reward/mean"))
+            k3 = rec.get("mismatch/token/k3")
+            log(f"[train] step {st.global_step}/{cfg.steps} reward={rec.get('reward/mean', float('nan')):.3f} "
+                + (f"k3={k3:.2e} exact={rec.get('mismatch/token/tokens_exact_frac', float('nan')):.3f} "
+                   if k3 is not None else "")
+                + f"loss={rec.get('optim/loss', float('nan')):.4g} ({step_time:.2f}s)")
+
+        def _reward_collapse(self, step, reward):
+            if reward is None or files.record.get("reward_collapse"):
+                return
+            self.rewards.append(reward)
+            w = cfg.reward_collapse_window
+            if len(self.rewards) < w:
+                return
+            mean = sum(self.rewards[-w:]) / w
+            if self.best_reward_mean > 0 and mean < cfg.reward_collapse_drop * self.best_reward_mean:
+                files.record["reward_collapse"] = {
+                    "step": step, "reason": f"rolling {w}-step reward mean {mean:.4g} fell below "
+                                            f"{cfg.reward_collapse_drop} x its best {self.best_reward_mean:.4g}"}
+                log(f"[train] reward collapse flagged at step {step}")
+            self.best_reward_mean = max(self.best_reward_mean, mean)
+
+        def on_save(self, args, st, control, **kw):
+            ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
+            if ckpt.is_dir():
+                atomic_write_json(ckpt / "roundalign_state.json", {
+                    "step": st.global_step, "engine": cfg.engine, "backend": cfg.backend,
+                    "engine_syncs": state["sync"].num_syncs if state.get("sync") else None,
+                    "best_reward_mean": self.best_reward_mean, "rewards": self.rewards})
+            files.write()
+
+        def on_train_begin(self, args, st, control, **kw):
+            if state.get("resume_state"):
+                self.best_reward_mean = state["resume_state"].get("best_reward_mean", -math.inf)
+                self.rewards = list(state["resume_state"].get("rewards", []))
+
+    return RunCallback()
+
+
+def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1):
+    from trl import GRPOConfig
+
+    kwargs = dict(
+        output_dir=str(ckpt_dir), seed=cfg.seed, max_steps=cfg.steps,
+        per_device_train_batch_size=cfg.per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps(world_size),
+        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+        learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        temperature=cfg.temperature, top_k=0, top_p=1.0,  # the sampler must match the trainer's plain softmax
+        beta=cfg.beta, epsilon=cfg.epsilon, loss_type=cfg.loss_type,
+        # The policy holds bf16 (or fp16) weights itself: no autocast, no fp32 master copy. Under autocast
+        # the trainer would round differently from the engine in places this study does not control.
+        bf16=False, fp16=False,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        logging_steps=1, save_strategy="steps", save_steps=cfg.checkpoint_every,
+        save_total_limit=cfg.keep_checkpoints, report_to=list(cfg.report_to) or "none",
+        disable_tqdm=True, remove_unused_columns=False, log_completions=False,
+        vllm_importance_sampling_correction=cfg.use_is_correction,
+        vllm_importance_sampling_mode=cfg.is_mode, vllm_importance_sampling_clip_max=cfg.is_cap,
+        vllm_importance_sampling_clip_min=(1.0 / cfg.is_cap) if cfg.variant == "mis" else None,
+        use_cpu=cfg.backend == "emulated",
+    )
+    if cfg.backend == "vllm":
+        kwargs.update(use_vllm=True, vllm_mode=cfg.vllm_mode,
+                      vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+        if cfg.vllm_server_base_url:
+            kwargs["vllm_server_base_url"] = cfg.vllm_server_base_url
+    return GRPOConfig(**kwargs)
+
+
+def _dataset(cfg: TrainConfig, tokenizer):
+    if cfg.task == "arith":
+        from .tasks.arith import arith_dataset, arith_reward
+
+        return arith_dataset(cfg.num_train_prompts, seed=cfg.seed, max_operand=cfg.arith_max_operand), arith_reward
+    from .tasks.math import load_math_dataset, math_reward
+
+    ds = load_math_dataset(cfg.math_dataset, split=cfg.math_split, limit=cfg.num_train_prompts)
+    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for p in ds["prompt"]]
+    keep = [i for i, n in enumerate(lengths) if n <= cfg.max_prompt_length]
+    return ds.select(keep), math_reward
+
+
+def make_rollout(engine, tokenizer, cfg: TrainConfig):
+    """TRL ``rollout_func`` for the emulated engine: prompts (already repeated per generation) -> tokens."""
+
+    def encode(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def rollout(prompts, trainer):
+        ids = [encode(p) for p in prompts]
+        # seeds are a function of (seed, step, index): resumed runs sample exactly what they would have
+        base = (trainer.state.global_step * 1_000_003 + trainer.accelerator.process_index) * len(ids)
+        samples = engine.generate(ids, max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                  seed=cfg.seed, eos_token_id=tokenizer.eos_token_id,
+                                  sample_indices=[base + i for i in range(len(ids))])
+        return {"prompt_ids": [s.prompt_ids for s in samples], "completion_ids": [s.completion_ids for s in samples],
+                "logprobs": [s.logprobs.tolist() for s in samples]}
+
+    return rollout
+
+
+def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print) -> TrainResult:
+    """Run (or resume, or report as finished) one GRPO run in ``out_dir``."""
+    out_dir = Path(out_dir)
+    preflight(cfg, out_dir)
+    files = _RunFiles(out_dir, cfg)
+    previous = _read_json(files.run_path)
+    if previous is not None:
+        diff = _config_diff(previous.get("config", {}), cfg.to_dict())
+        if diff:
+            raise ConfigError(f"{out_dir} holds a run with another config ({'; '.join(diff)}); "
+                              "use another --out or remove that directory")
+        if previous.get("status") in FINISHED:
+            log(f"[train] {out_dir}: already {previous['status']} at step {previous.get('last_step')}; nothing to do")
+            return TrainResult(previous["status"], previous.get("last_step", 0), 0, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out_dir / "checkpoints"
+    resume = latest_checkpoint(ckpt_dir)
+    resume_step = int(resume.name.split("-")[1]) if resume else 0
+    kept = truncate_metrics(files.metrics_path, resume_step)
+    files.start(previous, resume_step or None)
+    log(f"[train] {out_dir}: " + (f"resuming from {resume.name} ({kept} metric lines kept)" if resume
+                                   else f"starting {cfg.variant} seed {cfg.seed} on {cfg.backend}/{cfg.engine}"))
+    t0 = time.perf_counter()
+    state = {"sigterm": False, "collapse": None, "sync": None,
+             "resume_state": _read_json(resume / "roundalign_state.json") if resume else None}
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: state.__setitem__("sigterm", True))
+    try:
+        trainer = _build_trainer(cfg, ckpt_dir, files, state, callbacks, log)
+        from .engine import NonFiniteLogitsError
+
+        try:
+            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        except NonFiniteLogitsError as exc:
+            state["collapse"] = {"step": trainer.state.global_step + 1, "reason": str(exc)}
+        status = "collapsed" if state["collapse"] else "preempted" if state["sigterm"] else "done"
+        files.record["last_step"] = trainer.state.global_step
+        files.record["collapse"] = state["collapse"]
+        code = cfg.collapse_exit_code if status == "collapsed" else EXIT_PREEMPTED if status == "preempted" else 0
+    except BaseException as exc:
+        files.record.update(status="failed", error=f"{type(exc).__name__}: {exc}",
+                            wall_time_s=files.record.get("wall_time_s", 0.0) + time.perf_counter() - t0)
+        if files.record.get("config"):
+            files.write()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    files.record.update(status=status, exit_code=code,
+                        wall_time_s=round(files.record["wall_time_s"] + time.perf_counter() - t0, 3))
+    files.write()
+    log(f"[train] {out_dir}: {status} at step {files.record['last_step']}"
+        + (f" ({state['collapse']['reason']})" if state["collapse"] else ""))
+    return TrainResult(status, files.record["last_step"], code, out_dir)
+
+
+def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: dict, callbacks, log):
+    import contextlib
+
+    import torch
+    from transformers import set_seed
+
+    from .models import load_model, load_tokenizer
+    from .numerics import apply_alignment
+    from .trl_bridge import RoundalignGRPOTrainer, bridge_emulated_engine, vllm_llm_overrides
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    set_seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
+    model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
+    dataset, reward_fn = _dataset(cfg, tokenizer)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = build_grpo_args(cfg, ckpt_dir, world)
+    engine = None
+    if cfg.backend == "emulated":
+        from .engine import Engine
+
+        engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk)
+    apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
+    llm_overrides = {}
+    if cfg.backend == "vllm":
+        if cfg.engine == "vllm-eager":
+            llm_overrides["enforce_eager"] = True
+        if cfg.dtype == "fp16":
+            llm_overrides["dtype"] = "float16"
+    ctx = vllm_llm_overrides(**llm_overrides) if llm_overrides and cfg.vllm_mode == "colocate" \
+        else contextlib.nullcontext()
+    if llm_overrides and cfg.vllm_mode == "server":
+        log(f"[train] server mode: start the server with the matching options: trl vllm-serve --model {cfg.model} "
+            + ("--enforce_eager " if cfg.engine == "vllm-eager" else "")
+            + ("--dtype float16 " if cfg.dtype == "fp16" else "") + "--logprobs_mode processed_logprobs")
+    with ctx:
+        trainer = RoundalignGRPOTrainer(
+            model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer,
+            rollout_func=make_rollout(engine, tokenizer, cfg) if engine is not None else None,
+            callbacks=[_make_callback(files, cfg, state, log), *callbacks])
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
+    trainer.log_mismatch = cfg.mismatch_metrics
+    if cfg.use_is_correction:
+        trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
+    if engine is not None:
+        state["sync"] = bridge_emulated_engine(trainer, engine, model)
+    torch.set_num_threads(int(os.environ.get("ROUNDALIGN_THREADS", "1")))
+    return trainer

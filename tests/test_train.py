@@ -1,0 +1,223 @@
+"""The GRPO runner end to end on CPU: files, determinism, resume after SIGTERM/SIGKILL, collapse, the
+bitwise mechanism through training, IS remedies, and bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from roundalign.cli import main
+from roundalign.config import ConfigError, build_config
+from roundalign.pretrain import pretrain_tiny
+from roundalign.tiny import make_tiny
+from roundalign.train import TIMING_KEYS, run_train
+
+torch.set_num_threads(1)
+QUIET = dict(log=lambda *_: None)
+FAST = {"prompts_per_step": 8, "num_generations": 4, "per_device_batch_size": 32, "max_completion_length": 6,
+        "learning_rate": 2e-3, "checkpoint_every": 2, "num_train_prompts": 256}
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory):
+    # A warm-started tiny model: it answers some problems, so rewards vary within groups, advantages are
+    # non-zero and the weights really move (a random model would leave every run trivially identical).
+    root = tmp_path_factory.mktemp("models")
+    base = make_tiny("qwen2", root / "tiny", hidden=64, layers=2, seed=0)
+    return str(pretrain_tiny(base, root / "tiny-sft", steps=400, **QUIET))
+
+
+def cfg(model, **kw):
+    return build_config(overrides={"model": model, **FAST, **kw})
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def test_run_writes_metrics_run_json_and_checkpoints_then_reports_done(sft_model, tmp_path):
+    out = tmp_path / "run"
+    res = run_train(cfg(sft_model, steps=4), out, **QUIET)
+    assert (res.status, res.last_step, res.exit_code) == ("done", 4, 0)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("reward/mean", "reward/std", "reward/arith_reward/mean", "mismatch/token/k3", "mismatch/seq/k3",
+                "mismatch/token/tokens_exact_frac", "mismatch/token/is_ratio_max", "mismatch/token/ess_frac",
+                "mismatch/token/k3_over_entropy", "policy/entropy", "optim/grad_norm", "optim/lr",
+                "completion/length_mean", "step_time_s", "tokens_per_s"):
+        assert key in rows[0], key
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "done" and run["last_step"] == 4 and run["collapse"] is None
+    assert run["config"]["variant"] == "full" and run["versions"]["trl"] == "1.16.0"
+    assert sorted(p.name for p in (out / "checkpoints").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    state = json.loads((out / "checkpoints/checkpoint-4/roundalign_state.json").read_text())
+    assert state["engine_syncs"] == 4  # the engine was re-synced after every optimizer step
+    before = {p: p.read_bytes() for p in (out / "metrics.jsonl", out / "run.json")}
+    again = run_train(cfg(sft_model, steps=4), out, **QUIET)
+    assert again.status == "done" and {p: p.read_bytes() for p in before} == before
+
+
+def test_same_seed_twice_gives_identical_metrics(sft_model, tmp_path):
+    a = run_train(cfg(sft_model, steps=4, seed=1), tmp_path / "a", **QUIET)
+    b = run_train(cfg(sft_model, steps=4, seed=1), tmp_path / "b", **QUIET)
+    c = run_train(cfg(sft_model, steps=4, seed=2), tmp_path / "c", **QUIET)
+    assert a.status == b.status == c.status == "done"
+    assert deterministic(metrics(tmp_path / "a")) == deterministic(metrics(tmp_path / "b"))
+    assert deterministic(metrics(tmp_path / "a")) != deterministic(metrics(tmp_path / "c"))
+    # the policy really trains: non-zero gradient on some step
+    assert any(r["optim/grad_norm"] > 0 for r in metrics(tmp_path / "a"))
+
+
+class KillAt(TrainerCallback):
+    """Sends this process SIGTERM while step ``step`` runs, as a scheduler's preemption would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_checkpoints_and_rerun_resumes_to_the_uninterrupted_result(sft_model, tmp_path):
+    full = run_train(cfg(sft_model, steps=6), tmp_path / "full", **QUIET)
+    first = run_train(cfg(sft_model, steps=6), tmp_path / "cut", callbacks=[KillAt(3)], **QUIET)
+    assert (first.status, first.last_step, first.exit_code) == ("preempted", 3, 143)
+    assert (tmp_path / "cut/checkpoints/checkpoint-3").is_dir()  # saved on SIGTERM, between periodic saves
+    assert json.loads((tmp_path / "cut/run.json").read_text())["status"] == "preempted"
+    second = run_train(cfg(sft_model, steps=6), tmp_path / "cut", **QUIET)
+    assert (second.status, second.last_step) == ("done", 6) and full.status == "done"
+    assert deterministic(metrics(tmp_path / "cut")) == deterministic(metrics(tmp_path / "full"))
+    assert json.loads((tmp_path / "cut/run.json").read_text())["resumed_from"] == [3]
+
+
+def test_sigkill_mid_run_resumes_from_the_last_periodic_checkpoint(sft_model, tmp_path):
+    # A real process killed without warning: metrics lines written after the newest checkpoint are
+    # dropped on resume and recomputed, so the final file still equals an uninterrupted run's.
+    args = ["--model", sft_model, "--variant", "full", "--steps", "40", *sum((["--set", f"{k}={v}"] for k, v in
+                                                                               {**FAST, "checkpoint_every": 4}.items()),
+                                                                              [])]
+    ref = tmp_path / "ref"
+    assert main(["train", *args, "--out", str(ref)]) == 0
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "roundalign", "train", *args, "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        ckpts = list((out / "checkpoints").glob("checkpoint-*/trainer_state.json"))
+        lines = (out / "metrics.jsonl").read_text().count("\n") if (out / "metrics.jsonl").exists() else 0
+        if ckpts and lines % 4 != 0:  # past a checkpoint, mid-interval
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before it could be killed (machine too fast for this timing)")
+    assert proc.returncode == -signal.SIGKILL
+    assert json.loads((out / "run.json").read_text())["status"] == "running"
+    assert main(["train", *args, "--out", str(out)]) == 0
+    assert deterministic(metrics(out)) == deterministic(metrics(ref))
+
+
+class PoisonAt(TrainerCallback):
+    """Writes NaN into one weight at the end of a step: the next step's logits and loss are NaN."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_nan_stops_the_run_as_collapsed(sft_model, tmp_path, exit_code):
+    res = run_train(cfg(sft_model, steps=8, collapse_exit_code=exit_code), tmp_path / "r", callbacks=[PoisonAt(2)],
+                    **QUIET)
+    run = json.loads((tmp_path / "r/run.json").read_text())
+    assert res.status == run["status"] == "collapsed" and res.exit_code == exit_code
+    assert run["collapse"]["step"] == 3 and ("NaN" in run["collapse"]["reason"] or "nan" in run["collapse"]["reason"])
+    assert res.last_step <= 3
+    again = run_train(cfg(sft_model, steps=8, collapse_exit_code=exit_code), tmp_path / "r", **QUIET)
+    assert again.status == "collapsed"  # a finished (collapsed) run is left alone
+
+
+def test_full_stays_on_policy_through_training_while_baseline_does_not(sft_model, tmp_path):
+    # Logits of `full` equal the engine's bitwise; the only remaining difference is the last fp32 op:
+    # vLLM's sampler takes log_softmax, TRL's fused LM head an online logsumexp over vocab tiles, so the
+    # two logprobs differ by fp32 rounding (~1e-7 nats). `baseline` differs by bf16 roundings (~1e-2).
+    full = run_train(cfg(sft_model, steps=5, variant="full"), tmp_path / "full", **QUIET)
+    base = run_train(cfg(sft_model, steps=5, variant="baseline"), tmp_path / "base", **QUIET)
+    assert full.status == base.status == "done"
+    for f, b in zip(metrics(tmp_path / "full"), metrics(tmp_path / "base")):
+        assert b["mismatch/token/k3"] > 1e-7
+        assert f["mismatch/token/k3"] < b["mismatch/token/k3"] / 1000
+        assert f["mismatch/token/logp_abs_diff_max"] < 1e-5 < b["mismatch/token/logp_abs_diff_max"]
+        assert b["mismatch/token/tokens_exact_frac"] == 0.0
+
+
+@pytest.mark.parametrize("variant,key", [("tis", "is/clipped_frac"), ("mis", "is/masked_frac")])
+def test_importance_sampling_remedies_use_trls_correction(sft_model, tmp_path, variant, key):
+    res = run_train(cfg(sft_model, steps=2, variant=variant), tmp_path / variant, **QUIET)
+    rows = metrics(tmp_path / variant)
+    assert res.status == "done"
+    for r in rows:
+        assert key in r and 0.0 <= r[key] <= 1.0
+        assert r["is/ratio_min"] <= 1.0 <= r["is/ratio_max"] * 1.0001  # TRL's own ratio statistics
+        assert "mismatch/token/k3" in r
+
+
+def test_fp16_variant_runs_both_sides_in_fp16(sft_model, tmp_path):
+    res = run_train(cfg(sft_model, steps=2, variant="fp16"), tmp_path / "fp16", **QUIET)
+    run = json.loads((tmp_path / "fp16/run.json").read_text())
+    assert res.status == "done" and run["config"]["dtype"] == "fp16"
+    assert all(r["mismatch/token/k3"] >= 0 for r in metrics(tmp_path / "fp16"))
+
+
+def test_math_task_runs_on_a_local_fixture(sft_model, tmp_path):
+    fixture = Path(__file__).parent / "fixtures/math_small.jsonl"
+    res = run_train(cfg(sft_model, steps=1, task="math", math_dataset=str(fixture), prompts_per_step=2,
+                        per_device_batch_size=8, max_completion_length=4), tmp_path / "m", **QUIET)
+    assert res.status == "done" and "reward/math_reward/mean" in metrics(tmp_path / "m")[0]
+
+
+def test_bad_input_is_rejected_before_loading(sft_model, tmp_path, capsys):
+    out = tmp_path / "never"
+
+    def err(*args):
+        assert main(["train", "--out", str(out), *args]) == 2
+        return capsys.readouterr().err
+
+    assert "variant='ropee'" in err("--model", sft_model, "--variant", "ropee")
+    assert "baseline, rope, swiglu, norm, full, tis, mis, fp16" in err("--model", sft_model, "--variant", "x")
+    assert "task='poetry'" in err("--model", sft_model, "--task", "poetry")
+    assert "backend='tpu'" in err("--model", sft_model, "--backend", "tpu")
+    assert "nope" in err("--model", str(tmp_path / "nope"))
+    assert "inconsistent batch sizes" in err("--model", sft_model, "--set", "prompts_per_step=3",
+                                             "--set", "per_device_batch_size=8")
+    assert "unknown config key 'lr'" in err("--model", sft_model, "--set", "lr=1")
+    if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0:
+        assert "pip install -e '.[gpu]'" in err("--model", sft_model, "--backend", "vllm")
+    assert not out.exists()
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("steps: [1, 2\n")
+    assert "not valid YAML" in err("--model", sft_model, "--config", str(bad_yaml))
+
+
+def test_rerun_with_another_config_refuses_to_mix(sft_model, tmp_path):
+    run_train(cfg(sft_model, steps=1), tmp_path / "r", **QUIET)
+    with pytest.raises(ConfigError, match=r"another config.*learning_rate"):
+        run_train(cfg(sft_model, steps=1, learning_rate=1e-2), tmp_path / "r", **QUIET)
