@@ -54,3 +54,14 @@ def test_vllm_pin_is_accepted_by_trl():
     src = Path(import_utils.__file__).read_text()
     low, high = re.search(r'Version\("([\d.]+)"\) <= _vllm_base_version <= Version\("([\d.]+)"\)', src).groups()
     assert Version(low) <= Version(pyproject_pins()["vllm"]) <= Version(high)
+
+
+def test_accelerate_configs_parse_without_mixed_precision():
+    # the policy holds bf16 weights itself; autocast would move rounding points (roundalign/train.py)
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    names = sorted(p.name for p in (ROOT / "configs/accelerate").glob("*.yaml"))
+    assert names == ["ddp.yaml", "fsdp.yaml", "zero3.yaml"]
+    for name in names:
+        cfg = ClusterConfig.from_yaml_file(ROOT / "configs/accelerate" / name)
+        assert str(cfg.mixed_precision) == "no" and cfg.num_processes >= 2

@@ -109,6 +109,8 @@ class _RunFiles:
     """metrics.jsonl + run.json of one run directory."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig):
+        # under `accelerate launch` every rank runs this code; only rank 0 owns the run's files
+        self.is_main = os.environ.get("RANK", "0") == "0"
         self.out_dir = out_dir
         self.metrics_path = out_dir / "metrics.jsonl"
         self.run_path = out_dir / "run.json"
@@ -131,9 +133,12 @@ class _RunFiles:
         self.write()
 
     def write(self) -> None:
-        atomic_write_json(self.run_path, self.record)
+        if self.is_main:
+            atomic_write_json(self.run_path, self.record)
 
     def append_metrics(self, rec: dict) -> None:
+        if not self.is_main:
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
             f.flush()
@@ -215,7 +220,7 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
 
         def on_save(self, args, st, control, **kw):
             ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
-            if ckpt.is_dir():
+            if ckpt.is_dir() and files.is_main:
                 atomic_write_json(ckpt / "roundalign_state.json", {
                     "step": st.global_step, "engine": cfg.engine, "backend": cfg.backend,
                     "engine_syncs": state["sync"].num_syncs if state.get("sync") else None,

@@ -159,8 +159,7 @@ class EngineModel:
         """(B, T, H, D) projection output -> (B, H, T, D) after [q/k norm and] RoPE."""
         if norm_w is not None:
             if self.plan.qk_norm_rope == "fused":
-                return regions.rope_fused(regions.rmsnorm_fused(x, norm_w, self.eps, keep_fp32=True).transpose(1, 2),
-                                          cos, sin)
+                return regions.qk_norm_rope_fused(x, norm_w, self.eps, cos, sin)
             x = regions.rmsnorm_fused(x, norm_w, self.eps)
         return regions.rope_fused(x.transpose(1, 2), cos, sin)
 

@@ -20,8 +20,8 @@ intermediates in fp32 until the point where the engine writes its result:
 Matmuls (q/k/v/o, gate/up/down, lm_head) and the attention kernel are untouched: the modules' own
 ``nn.Linear`` and ``ALL_ATTENTION_FUNCTIONS`` interface run exactly as in stock transformers.
 
-Mechanics: the ``forward`` of individual module *instances* (decoder layers, attention, MLP, the final
-norm) is replaced by an instance attribute; classes are never patched, so two models in one process
+Mechanics: the ``forward`` of individual module *instances* (decoder layers, attention, MLP, RMSNorms)
+is replaced by an instance attribute; classes are never patched, so two models in one process
 keep their own numerics. ``apply_alignment(model, "baseline")`` deletes those attributes again.
 
 Guarantees (each enforced by a test in ``tests/test_patch.py``):
@@ -74,10 +74,22 @@ def _is_qwen3(attn: nn.Module) -> bool:
 # Replacement forwards. Each reads its RoundingPlan from the instance.
 
 
-def _norm(module: nn.Module, x: torch.Tensor, plan: RoundingPlan, K) -> torch.Tensor:
-    if plan.norm == "fused":
-        return K.rmsnorm_fused(x, module.weight, module.variance_epsilon)
-    return regions.rmsnorm_hf(x, module.weight, module.variance_epsilon)
+def _rmsnorm_forward(self, hidden_states, residual=None):
+    """RMSNorm with one rounding. With ``residual``: add first, as the engine's fused add+norm does, and
+    return ``(normed, new_residual)``; the plan says whether the norm reads the fp32 or the rounded sum.
+    Reads an unrounded fp32 ``hidden_states`` when the previous aligned layer returned one."""
+    K = getattr(self, _KERNELS_ATTR)
+    if residual is None:
+        return K.rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon)
+    if getattr(self, _PLAN_ATTR).residual == "fp32":
+        return K.add_rmsnorm_fp32_sum(hidden_states, residual, self.weight, self.variance_epsilon)
+    return K.add_rmsnorm_bf16_sum(hidden_states, residual, self.weight, self.variance_epsilon)
+
+
+def _rmsnorm_keep_fp32_forward(self, hidden_states):
+    """Qwen3 q/k norm inside a fused norm+RoPE kernel: the normalized value stays fp32 for RoPE."""
+    return getattr(self, _KERNELS_ATTR).rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon,
+                                                      keep_fp32=True)
 
 
 def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
@@ -85,12 +97,12 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     """Qwen2/Qwen3 decoder layer with aligned add + RMSNorm (installed only when plan.norm == "fused").
 
     ``hidden_states`` is the bf16 residual stream, or under ``residual == "fp32"`` (every layer but the
-    first) the unrounded fp32 sum returned by the previous aligned layer."""
+    first) the unrounded fp32 sum returned by the previous aligned layer. Norms are called as modules
+    (not through their weights) so that parameter-gathering hooks (DeepSpeed ZeRO-3) still fire."""
     plan: RoundingPlan = getattr(self, _PLAN_ATTR)
-    K = getattr(self, _KERNELS_ATTR)
     dtype = self.input_layernorm.weight.dtype
     residual = hidden_states.to(dtype)  # the residual stream HF stores: the sum rounded once
-    hidden_states = K.rmsnorm_fused(hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
+    hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(
         hidden_states=hidden_states,
         attention_mask=attention_mask,
@@ -100,20 +112,11 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
         position_embeddings=position_embeddings,
         **kwargs,
     )
-    norm = self.post_attention_layernorm
-    if plan.residual == "fp32":
-        hidden_states, residual = K.add_rmsnorm_fp32_sum(hidden_states, residual, norm.weight, norm.variance_epsilon)
-    else:
-        hidden_states, residual = K.add_rmsnorm_bf16_sum(hidden_states, residual, norm.weight, norm.variance_epsilon)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
     if plan.residual == "fp32" and dtype != torch.float32:
         return residual.float() + hidden_states.float()  # unrounded: the next norm reads it
     return residual + hidden_states
-
-
-def _final_norm_forward(self, hidden_states):
-    """Final RMSNorm, one rounding; reads the fp32 sum when the last layer returned one."""
-    return getattr(self, _KERNELS_ATTR).rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self, x):
@@ -122,15 +125,14 @@ def _mlp_forward(self, x):
 
 def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   plan: RoundingPlan, K) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: (B, T, H, D) straight from the projections -> (B, H, T, D) after [q/k norm and] RoPE."""
+    """q, k: (B, T, H, D) straight from the projections -> (B, H, T, D) after [q/k norm and] RoPE.
+    The q/k norm modules' own (possibly aligned) forwards decide their rounding; under the fused
+    norm->RoPE plan they return fp32, which ``rope_fused`` reads unrounded."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     out = []
     for x, norm in ((q, getattr(attn, "q_norm", None)), (k, getattr(attn, "k_norm", None))):
-        if norm is not None and plan.qk_norm_rope == "fused":
-            out.append(K.qk_norm_rope_fused(x, norm.weight, norm.variance_epsilon, cos, sin))
-            continue
         if norm is not None:
-            x = _norm(norm, x, plan, K)
+            x = norm(x)
         x = x.transpose(1, 2)
         out.append(K.rope_fused(x, cos, sin) if plan.rope == "fused" else regions.rope_hf(x, cos, sin))
     return out[0], out[1]
@@ -218,18 +220,24 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     K = regions.region_kernels(kernels)
 
     for layer in trunk.layers:
-        for m in (layer, layer.self_attn, layer.mlp):
+        attn = layer.self_attn
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        qk_norms = [attn.q_norm, attn.k_norm] if _is_qwen3(attn) else []
+        for m in (layer, attn, layer.mlp, *norms, *qk_norms):
             _uninstall(m)
         if plan.norm == "fused":
             _install(layer, _decoder_layer_forward, plan, K)
-        if plan.rope == "fused" or plan.norm == "fused":  # RoPE and/or Qwen3 q/k norms live in attention
-            if plan.rope == "fused" or _is_qwen3(layer.self_attn):
-                _install(layer.self_attn, _attention_forward, plan, K)
+            for m in norms:
+                _install(m, _rmsnorm_forward, plan, K)
+            for m in qk_norms:
+                _install(m, _rmsnorm_keep_fp32_forward if plan.qk_norm_rope == "fused" else _rmsnorm_forward, plan, K)
+        if plan.rope == "fused":
+            _install(attn, _attention_forward, plan, K)
         if plan.swiglu == "fused":
             _install(layer.mlp, _mlp_forward, plan, K)
     _uninstall(trunk.norm)
     if plan.norm == "fused":
-        _install(trunk.norm, _final_norm_forward, plan, K)
+        _install(trunk.norm, _rmsnorm_forward, plan, K)
     setattr(model, _STATE_ATTR, (variant, engine, kernels))
     return model
 

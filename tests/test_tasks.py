@@ -1,0 +1,65 @@
+"""Tasks: arith prompts and reward; math loader and math-verify reward on a local fixture."""
+
+from pathlib import Path
+
+import pytest
+
+from roundalign.tasks.arith import arith_reward, make_arith_problems
+from roundalign.tasks.math import gold_answer, last_boxed, load_math_dataset, math_reward
+
+FIXTURE = Path(__file__).parent / "fixtures/math_small.jsonl"
+
+
+def test_arith_is_deterministic_and_correct():
+    a = make_arith_problems(50, seed=3, max_operand=49, operators=("+", "-", "*"), fixed_width=True)
+    assert a == make_arith_problems(50, seed=3, max_operand=49, operators=("+", "-", "*"), fixed_width=True)
+    for p in a:
+        expr = p["prompt"].removeprefix("What is ").removesuffix("?")
+        assert int(p["answer"]) == eval(_strip_zeros(expr))  # "07+42" -> "7+42"
+        assert len(p["prompt"]) == len("What is 07+42?")  # fixed width: every prompt the same length
+
+
+def _strip_zeros(expr: str) -> str:
+    import re
+
+    return re.sub(r"\b0+(\d)", r"\1", expr)
+
+
+def test_fixed_width_prompts_have_equal_token_counts(tmp_path):
+    from roundalign.models import load_tokenizer
+    from roundalign.tiny import make_tiny
+
+    tok = load_tokenizer(str(make_tiny("qwen2", tmp_path / "m")))
+    lengths = {len(tok(p["prompt"], add_special_tokens=False)["input_ids"])
+               for p in make_arith_problems(200, seed=0, max_operand=49, fixed_width=True)}
+    assert len(lengths) == 1
+
+
+def test_arith_reward_exact_leading_integer():
+    assert arith_reward([" 49", "49<", " 491", "-3 apples", "x49", " 7"], ["49", "49", "49", "-3", "49", "8"]) == \
+        [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_math_loader_and_gold_answers():
+    ds = load_math_dataset(str(FIXTURE))
+    assert ds["answer"] == ["5", "\\frac{3}{4}", "3", "72"]
+    assert ds[0]["prompt"][0]["role"] == "system" and ds[0]["prompt"][1]["content"] == "What is $2+3$?"
+    assert len(load_math_dataset(str(FIXTURE), limit=2)) == 2
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{x^{2}}") == "x^{2}"
+    assert gold_answer({"answer": "so\n#### 1,234"}) == "1,234"
+
+
+def test_math_reward_uses_math_verify_equivalence():
+    gold = ["5", "\\frac{3}{4}", "3", "72"]
+    completions = ["thus \\boxed{5}", "we get \\boxed{0.75}", "x = \\boxed{-3}", [{"role": "assistant",
+                                                                                 "content": "total \\boxed{72}"}]]
+    assert math_reward(completions, gold) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_math_loader_errors_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_math_dataset(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no problem column", "answer": "1"}\n')
+    with pytest.raises(ValueError, match="problem columns"):
+        load_math_dataset(str(bad))
