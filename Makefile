@@ -35,6 +35,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_numerics.py --out results/bench/numerics.txt
+	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
 
 clean:
 	rm -rf $(VENV) $(WORK) .pytest_cache

@@ -221,3 +221,20 @@ def test_rerun_with_another_config_refuses_to_mix(sft_model, tmp_path):
     run_train(cfg(sft_model, steps=1), tmp_path / "r", **QUIET)
     with pytest.raises(ConfigError, match=r"another config.*learning_rate"):
         run_train(cfg(sft_model, steps=1, learning_rate=1e-2), tmp_path / "r", **QUIET)
+
+
+def test_grpo_config_carries_our_settings(tmp_path):
+    from roundalign.train import build_grpo_args
+
+    base = {"model": "m", "report_to": "tensorboard,wandb", "steps": 7, **FAST}
+    args = build_grpo_args(build_config(overrides=base), tmp_path)
+    assert args.report_to == ["tensorboard", "wandb"] and args.max_steps == 7
+    assert (args.top_k, args.top_p, args.bf16, args.logging_steps) == (0, 1.0, False, 1)
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 32
+    assert args.vllm_importance_sampling_correction is False  # alignment variants: raw effect, no IS
+    tis = build_grpo_args(build_config(overrides={**base, "variant": "tis", "is_cap": 2.0}), tmp_path)
+    assert (tis.vllm_importance_sampling_correction, tis.vllm_importance_sampling_mode,
+            tis.vllm_importance_sampling_clip_max) == (True, "token_truncate", 2.0)
+    mis = build_grpo_args(build_config(overrides={**base, "variant": "mis"}), tmp_path)
+    assert (mis.vllm_importance_sampling_mode, mis.vllm_importance_sampling_clip_min) == ("sequence_mask", 1 / 3)
+    assert build_grpo_args(build_config(overrides={"model": "m", **FAST}), tmp_path).report_to == []

@@ -1,0 +1,98 @@
+"""Benchmark of the GRPO runner on CPU: steps per second, full/baseline step time, smoke-run wall time.
+
+    python scripts/bench_train.py --out results/bench/train.txt        # ~3 min on 2 CPU cores
+
+1. Warm-starts a tiny Qwen2 model (hidden 64, 2 layers; `pretrain-tiny`, 400 steps) and a small one
+   (hidden 256, 4 layers, no warm start).
+2. For each, runs GRPO with `baseline` and `full` alternately (rounds x steps each, emulated engine,
+   8 prompts x 4 completions per step, up to 6 tokens) and reports the median per-step time
+   (`step_time_s` of metrics.jsonl, which includes the extra no-grad forward of the mismatch metrics),
+   steps per second and the full/baseline ratio. Goal: ratio <= 1.05.
+3. Times a 4-step smoke run through the command line, start-up included (goal: well under a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import torch
+
+from roundalign.config import build_config
+from roundalign.envinfo import environment_info
+from roundalign.io import atomic_write_text
+from roundalign.pretrain import pretrain_tiny
+from roundalign.tiny import make_tiny
+from roundalign.train import run_train
+
+RUN = {"prompts_per_step": 8, "num_generations": 4, "per_device_batch_size": 32, "max_completion_length": 6,
+       "learning_rate": 2e-3, "checkpoint_every": 1000}
+
+
+def step_times(model: str, variant: str, steps: int, root: Path, tag: str, kernels: str = "eager") -> list[float]:
+    cfg = build_config(overrides={"model": model, "variant": variant, "steps": steps, "kernels": kernels, **RUN})
+    out = root / f"{tag}-{variant}-{kernels}"
+    with redirect_stdout(io.StringIO()):
+        run_train(cfg, out, log=lambda *_: None)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time_s"] for r in rows[1:]]  # the first step pays one-time set-up costs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/bench/train.txt")
+    p.add_argument("--rounds", type=int, default=3, help="alternating baseline/full rounds (default 3)")
+    p.add_argument("--steps", type=int, default=15, help="steps per run (default 15)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    env = environment_info()
+    say(f"# roundalign GRPO runner benchmark ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
+        f"torch {env['versions']['torch']}, trl {env['versions']['trl']}, 1 thread)")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tiny = pretrain_tiny(make_tiny("qwen2", root / "tiny", hidden=64, layers=2), root / "tiny-sft", steps=400,
+                             log=lambda *_: None)
+        small = make_tiny("qwen2", root / "small", hidden=256, layers=4, heads=8, kv_heads=2)
+        say(f"\n## step time ({args.rounds} alternating rounds x {args.steps} steps; 8 prompts x 4 completions "
+            "per step, <= 6 tokens; emulated engine vllm-compiled, eager attention)")
+        say(f"{'model':22} {'variant':14} {'median step s':>13} {'steps/s':>8} {'ratio':>6}")
+        for name, model in (("tiny (h64, 2 layers)", tiny), ("small (h256, 4 layers)", small)):
+            times: dict[str, list[float]] = {"baseline": [], "full": []}
+            for r in range(args.rounds):
+                for variant in ("baseline", "full"):
+                    times[variant] += step_times(str(model), variant, args.steps, root, f"{name[:4]}{r}")
+            base = statistics.median(times["baseline"])
+            for variant, ts in times.items():
+                med = statistics.median(ts)
+                say(f"{name:22} {variant:14} {med:13.4f} {1 / med:8.1f} {med / base:6.3f}")
+        say("\n## 4-step smoke run through the CLI (process start, model load, 4 steps, files)")
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "roundalign", "train", "--model", str(tiny), "--variant", "full",
+                        "--steps", "4", "--out", str(root / "smoke")], check=True, capture_output=True)
+        say(f"wall time: {time.perf_counter() - t0:.1f} s")
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
