@@ -238,3 +238,10 @@ def test_grpo_config_carries_our_settings(tmp_path):
     mis = build_grpo_args(build_config(overrides={**base, "variant": "mis"}), tmp_path)
     assert (mis.vllm_importance_sampling_mode, mis.vllm_importance_sampling_clip_min) == ("sequence_mask", 1 / 3)
     assert build_grpo_args(build_config(overrides={"model": "m", **FAST}), tmp_path).report_to == []
+
+
+def test_cli_exports_finished_runs_only(sft_model, tmp_path):
+    args = ["train", "--model", sft_model, "--steps", "2", *sum((["--set", f"{k}={v}"] for k, v in FAST.items()), [])]
+    assert main([*args, "--out", str(tmp_path / "run"), "--export", str(tmp_path / "exp")]) == 0
+    assert (tmp_path / "exp/metrics.jsonl").read_text() == (tmp_path / "run/metrics.jsonl").read_text()
+    assert json.loads((tmp_path / "exp/run.json").read_text())["status"] == "done"

@@ -93,6 +93,9 @@ def make_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, help="optimizer steps (default 20)")
     tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override any TrainConfig key; repeatable")
+    tr.add_argument("--export", metavar="DIR",
+                    help="when the run has finished (done or collapsed), copy metrics.jsonl and run.json into DIR "
+                         "(atomically; the sweep's declared outputs, kept apart from the checkpoints)")
 
     pt = sub.add_parser("pretrain-tiny", help="short supervised warm start of a tiny model on arith (TRL SFT)")
     pt.add_argument("--model", required=True, help="tiny model directory (from make-tiny)")
@@ -137,7 +140,12 @@ def run_train_cli(args) -> int:
              if getattr(args, k) is not None}
     cfg = build_config(file=args.config, overrides={**flags, **parse_set(args.overrides)})
     _setup_runtime()
-    return run_train(cfg, args.out).exit_code
+    result = run_train(cfg, args.out)
+    if args.export and result.status in ("done", "collapsed"):
+        from .train import export_run
+
+        export_run(result.out_dir, args.export)
+    return result.exit_code
 
 
 def run_pretrain_tiny(args) -> None:

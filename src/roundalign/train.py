@@ -100,6 +100,16 @@ def truncate_metrics(path: Path, last_step: int) -> int:
     return len(kept)
 
 
+def export_run(run_dir: str | Path, dest: str | Path) -> None:
+    """Copy a finished run's metrics.jsonl and run.json into ``dest`` (each atomically; run.json last, so a
+    present run.json means a complete export)."""
+    run_dir, dest = Path(run_dir), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "run.json"):
+        src = run_dir / name
+        atomic_write_text(dest / name, src.read_text() if src.exists() else "")
+
+
 def _config_diff(a: dict, b: dict) -> list[str]:
     keys = sorted(set(a) | set(b))
     return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
