@@ -1,7 +1,7 @@
 """Supervised warm start of a tiny model on ``arith`` with TRL's SFTTrainer, so GRPO starts from a policy
 that earns some reward (a random tiny model never answers correctly and GRPO would see zero advantage).
 
-    roundalign pretrain-tiny --model work/models/tiny-qwen2 --out work/models/tiny-qwen2-sft --steps 600
+    roundalign pretrain-tiny --model work/models/tiny-qwen2 --out work/models/tiny-qwen2-sft --steps 1200
 
 Trains in fp32 (bf16 weight updates of a tiny model are mostly below one bf16 ulp) on prompt-completion
 pairs ``"What is 07+42?" -> " 49<|endoftext|>"`` (loss on the completion only), then saves the model in
@@ -21,7 +21,7 @@ from pathlib import Path
 SFT_SEED_OFFSET = 10_000  # SFT problems are drawn from seed + offset, GRPO's from seed
 
 
-def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 600, learning_rate: float = 3e-3,
+def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 1200, learning_rate: float = 3e-3,
                   batch_size: int = 32, max_operand: int = 49, seed: int = 0, log=print) -> Path:
     import torch
     from datasets import Dataset

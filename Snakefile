@@ -1,0 +1,34 @@
+"""roundalign sweep: tiny or hub models x alignment variants x seeds, probe, GRPO, aggregate, figures.
+
+snakemake --cores 2                                                     # CPU smoke sweep (configs/smoke.yaml)
+snakemake --profile workflow/profiles/slurm --configfile configs/paper.yaml    # paper sweep on SLURM
+snakemake -s workflow/figures.smk --cores 1                             # figures from committed tables only
+"""
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+# The CPU smoke sweep is the default; --configfile replaces it (and overlays merge onto each other).
+if not config:
+
+    configfile: "configs/smoke.yaml"
+
+
+validate(config, "workflow/schemas/sweep.schema.yaml", set_default=True)
+
+
+include: "workflow/rules/figures_common.smk"
+include: "workflow/rules/common.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/probe.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        figure_targets(SWEEP.name),
+        aggregate_targets(SWEEP.name),

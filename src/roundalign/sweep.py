@@ -1,0 +1,136 @@
+"""The sweep's configuration semantics, shared by the Snakemake workflow and its tests.
+
+The workflow (``Snakefile``, ``workflow/rules/*.smk``) validates the config against
+``workflow/schemas/sweep.schema.yaml`` (types, descriptions, defaults) and then calls ``Sweep(config)``,
+which checks what a schema cannot: every (model x variant) training config is a valid ``TrainConfig``
+(cross-field rules: batch sizes, ranges), model names are path-safe, GPU settings are coherent. Errors
+name the key, e.g. ``models.qwen3-4b.train.prompts_per_step``, before any job runs.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import TRAIN_VARIANTS, ConfigError, build_config
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# keys the sweep sets per run; a train: section may not set them
+_PER_RUN_KEYS = ("model", "variant", "seed")
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str
+    variant: str
+    seed: int
+
+
+class Sweep:
+    """A validated sweep config (after JSON-schema validation filled its defaults)."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.name: str = config["sweep"]
+        self.workdir = Path(config["workdir"])
+        self.models: dict[str, dict] = config["models"]
+        self.variants: list[str] = list(config["variants"])
+        self.seeds: list[int] = list(config["seeds"])
+        if not _NAME.match(self.name):
+            raise ConfigError(f"sweep={self.name!r}: use letters, digits, '.', '_' or '-'")
+        for v in self.variants:
+            if v not in TRAIN_VARIANTS:
+                raise ConfigError(f"variants: unknown variant {v!r}; valid: {', '.join(TRAIN_VARIANTS)}")
+        if len(set(self.variants)) != len(self.variants) or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError("variants and seeds must not repeat")
+        for key in _PER_RUN_KEYS:
+            if key in config.get("train", {}):
+                raise ConfigError(f"train.{key} is set per run by the sweep; remove it from train:")
+        for name, spec in self.models.items():
+            if not _NAME.match(name):
+                raise ConfigError(f"models.{name}: model names must use letters, digits, '.', '_' or '-'")
+            self._check_model(name, spec)
+
+    def _check_model(self, name: str, spec: dict) -> None:
+        where = f"models.{name}"
+        if spec["source"] == "tiny" and "tiny" not in spec:
+            raise ConfigError(f"{where}.tiny: a tiny model needs its architecture (tiny: {{arch: qwen2|qwen3}})")
+        if spec["source"] == "hub" and not spec.get("hub_id"):
+            raise ConfigError(f"{where}.hub_id: a hub model needs its id, e.g. Qwen/Qwen2.5-Math-1.5B")
+        for key in _PER_RUN_KEYS:
+            if key in spec.get("train", {}):
+                raise ConfigError(f"{where}.train.{key} is set per run by the sweep")
+        overrides = self.train_overrides(name)
+        if overrides.get("backend", "emulated") == "vllm" and spec["gpus"] < 1:
+            raise ConfigError(f"{where}.gpus={spec['gpus']}: backend 'vllm' needs at least one GPU")
+        if spec["gpus"] > 1 and not spec.get("accelerate_config"):
+            raise ConfigError(f"{where}.accelerate_config: {spec['gpus']} GPUs need an accelerate launch config, "
+                              "e.g. configs/accelerate/zero3.yaml")
+        for variant in self.variants:
+            try:
+                build_config(overrides={"model": "check", "variant": variant, **overrides})
+            except ConfigError as exc:
+                raise ConfigError(f"train settings of {where} (variant {variant}): {exc}") from None
+
+    # -- expansion --------------------------------------------------------------------------------
+
+    def runs(self) -> list[Run]:
+        return [Run(m, v, s) for m in self.models for v in self.variants for s in self.seeds]
+
+    def train_overrides(self, model: str) -> dict:
+        """TrainConfig keys for ``model``: the sweep's ``train:`` updated by the model's own ``train:``."""
+        return {**self.config.get("train", {}), **self.models[model].get("train", {})}
+
+    def uses_math(self) -> bool:
+        return any(self.train_overrides(m).get("task") == "math" for m in self.models)
+
+    # -- paths ------------------------------------------------------------------------------------
+
+    def policy_dir(self, model: str) -> str:
+        return str(self.workdir / "models" / self.models[model]["source"] / model / "policy")
+
+    def run_dir(self, model: str, variant: str, seed) -> str:
+        return str(self.workdir / "runs" / self.name / model / variant / f"seed{seed}")
+
+    def math_data_file(self) -> str:
+        data = self.config["data"]
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{data['math_dataset']}-{data['math_split']}").strip("-")
+        return str(self.workdir / "data" / f"{slug}.jsonl")
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    def train_set_args(self, model: str) -> str:
+        """``--set key=value`` arguments for the model's train settings (task=math reads the prepared file)."""
+        overrides = self.train_overrides(model)
+        if overrides.get("task") == "math":
+            overrides["math_dataset"] = self.math_data_file()
+        parts = []
+        for key in sorted(overrides):
+            value = overrides[key]
+            if isinstance(value, (list, tuple)):
+                value = ",".join(map(str, value))
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            elif value is None:
+                value = "none"
+            parts.append(f"--set {shlex.quote(f'{key}={value}')}")
+        return " ".join(parts)
+
+    def launcher(self, model: str) -> str:
+        """What runs ``-m roundalign``: ``python``, or ``accelerate launch`` for several GPUs (both from PATH:
+        the active environment, as every shell rule)."""
+        spec = self.models[model]
+        if spec["gpus"] > 1:
+            return (f"accelerate launch --config_file {shlex.quote(spec['accelerate_config'])} "
+                    f"--num_processes {spec['gpus']}")
+        return "python"
+
+    # -- resources --------------------------------------------------------------------------------
+
+    def train_resources(self, model: str, attempt: int = 1) -> dict:
+        spec = self.models[model]
+        return {"gpu": spec["gpus"], "gpu_model": spec.get("gpu_model") or "",
+                "cpus_per_gpu": spec["cpus_per_gpu"] if spec["gpus"] else 0,
+                "mem_mb": spec["mem_mb"], "runtime": spec["runtime_min"] * attempt}

@@ -1,0 +1,153 @@
+"""The Snakemake sweep: lint, formatting, dry-run job counts, SLURM profile, config validation, schema vs
+TrainConfig, and the smoke sweep for one tiny model end to end (with a preempted training job that resumes).
+
+Each test runs `python -m snakemake` on a temporary copy of the workflow, as workflow tests usually do."""
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from roundalign.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def wf(tmp_path):
+    """A copy of the workflow (Snakefile, workflow/, configs/, environment.yml) in a temp dir."""
+    for name in ("Snakefile", "environment.yml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    for name in ("workflow", "configs"):
+        shutil.copytree(ROOT / name, tmp_path / name)
+    return tmp_path
+
+
+def smk(wf, *args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=wf, env=env or ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def job_counts(out: str) -> dict:
+    table = out[out.index("job "):]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M)}
+
+
+def test_lint_and_snakefmt(wf):
+    res = smk(wf, "--lint")
+    assert res.returncode == 0, res.stdout + res.stderr
+    fmt = subprocess.run([str(BIN / "snakefmt"), "--check", "Snakefile", "workflow"], cwd=wf, capture_output=True,
+                         text=True)
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+@pytest.mark.parametrize("configs,train_jobs,total", [
+    ([], 12, 31),  # smoke: 4 tiny models x 3 variants x 1 seed (+4 make, 4 pretrain, 8 probes, aggregate...)
+    (["configs/paper.yaml"], 36, 52),  # 4 models x 3 variants x 3 seeds (+4 fetch, 1 data, 8 probes, ...)
+    (["configs/paper.yaml", "configs/ablations.yaml"], 96, 112),  # 4 x 8 x 3
+])
+def test_dry_run_job_counts(wf, configs, train_jobs, total):
+    res = smk(wf, "-n", *(["--configfile", *configs] if configs else []))
+    assert res.returncode == 0, res.stderr
+    counts = job_counts(res.stdout)
+    assert counts["train"] == train_jobs and counts["total"] == total
+
+
+def test_slurm_profile_dry_run_requests_gpus_from_the_config(wf):
+    env = {**ENV, "SLURM_ACCOUNT": "acct42", "SLURM_PARTITION": "gpu-part"}
+    res = smk(wf, "-n", "--profile", "workflow/profiles/slurm", "--configfile", "configs/paper.yaml", env=env)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    job_7b = out[out.index("wildcards: sweep=paper, model=qwen25-math-7b, variant=baseline, seed=0"):][:4000]
+    assert re.search(r"slurm_account=acct42, slurm_partition=gpu-part", job_7b)
+    assert "gpu=4, gpu_model=h100, cpus_per_gpu=8" in job_7b and "mem_mb=256000" in job_7b
+    assert "accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 4 -m roundalign train" \
+        in job_7b
+    # checkpoints stay in the workdir, the declared outputs are the exported copies under results/
+    assert "--out work/runs/paper/qwen25-math-7b/baseline/seed0 --export results/paper/runs/qwen25-math-7b" in job_7b
+    profile = yaml.safe_load((wf / "workflow/profiles/slurm/config.yaml").read_text())
+    extra = str(profile.get("default-resources", {}).get("slurm_extra", ""))
+    for managed in ("--gres", "--mem", "--time", "-p ", "-A ", "--qos"):
+        assert managed not in extra
+
+
+@pytest.mark.parametrize("overlay,message", [
+    ({"train": {"learning_rat": 1}}, "learning_rat"),
+    ({"variants": ["baseline", "ropee"]}, "ropee"),
+    ({"models": {"tiny-qwen25-tied": {"gpus": -1}}}, "gpus"),
+    ({"train": {"prompts_per_step": 3, "per_device_batch_size": 8}}, "inconsistent batch sizes"),
+    ({"models": {"tiny-qwen25-tied": {"train": {"steps": 0}}}}, "models.tiny-qwen25-tied"),
+    ({"models": {"bad/name": {"source": "tiny", "tiny": {"arch": "qwen2"}}}}, "bad/name"),
+    ({"train": {"seed": 3}}, "'seed' was unexpected"),  # the schema names it, within schema['properties']['train']
+    ({"models": {"tiny-qwen25-tied": {"source": "hub"}}}, "hub_id"),
+])
+def test_malformed_configs_fail_before_any_job_naming_the_key(wf, overlay, message):
+    (wf / "bad.yaml").write_text(yaml.safe_dump(overlay))
+    res = smk(wf, "-n", "--configfile", "configs/smoke.yaml", "bad.yaml")
+    assert res.returncode != 0
+    assert message in res.stdout + res.stderr
+    assert "Job stats" not in res.stdout
+
+
+def test_schema_train_section_matches_trainconfig():
+    schema = yaml.safe_load((ROOT / "workflow/schemas/sweep.schema.yaml").read_text())
+    props = schema["properties"]["train"]["properties"]
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name not in ("model", "variant", "seed")}
+    assert set(props) == set(fields)
+    for name, f in fields.items():
+        default = list(f.default) if isinstance(f.default, tuple) else f.default
+        assert props[name]["default"] == default, name
+        assert props[name]["description"], name
+    model_train = schema["properties"]["models"]["additionalProperties"]["properties"]["train"]["properties"]
+    assert set(model_train) == set(fields)
+
+
+@pytest.mark.slow
+def test_smoke_sweep_for_one_tiny_model_end_to_end_with_a_preempted_job(wf):
+    # One tiny model, 2 variants, short runs. The train job of `full` is sent SIGTERM once it has a
+    # checkpoint: it exits 143, Snakemake retries it (rule retries) and the retry resumes from the
+    # checkpoint, which stayed in the workdir outside the job's declared outputs.
+    overlay = {"models": {"tiny-qwen3-tied": {"source": "tiny", "tiny": {"arch": "qwen3", "pretrain_steps": 150}}},
+               "variants": ["baseline", "full"], "train": {"steps": 24, "checkpoint_every": 4},
+               "probe": {"engines": ["vllm-compiled"], "prompts": 4, "max_new_tokens": 8}}
+    cfg = yaml.safe_load((wf / "configs/smoke.yaml").read_text())
+    cfg["models"] = overlay["models"]
+    cfg.update(variants=overlay["variants"], probe=overlay["probe"])
+    cfg["train"].update(overlay["train"])
+    (wf / "one.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "one.yaml"], cwd=wf,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = wf / "work/runs/smoke/tiny-qwen3-tied/full/seed0"
+    killed = False
+    deadline = time.time() + 500
+    while proc.poll() is None and time.time() < deadline and not killed:
+        if list((run_dir / "checkpoints").glob("checkpoint-*/trainer_state.json")):
+            pids = subprocess.run(["pgrep", "-f", f"roundalign train .*--out {run_dir.relative_to(wf)}"],
+                                  capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                os.kill(int(pid), signal.SIGTERM)
+            killed = bool(pids)
+        time.sleep(0.02)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    for path in ("results/smoke/aggregate/runs.csv", "results/smoke/aggregate/probe.csv",
+                 "figures/smoke/fig_reward.png", "figures/smoke/fig_probe.pdf", "figures/smoke/summary.md",
+                 "results/smoke/runs/tiny-qwen3-tied/full/seed0/metrics.jsonl"):
+        assert (wf / path).is_file(), path
+    log = (wf / "logs/smoke/train/tiny-qwen3-tied/full/seed0.log").read_text()
+    if killed:
+        assert "resuming from checkpoint-" in log
+        run = yaml.safe_load((wf / "results/smoke/runs/tiny-qwen3-tied/full/seed0/run.json").read_text())
+        assert run["status"] == "done" and run["resumed_from"]
+    lines = (wf / "results/smoke/runs/tiny-qwen3-tied/full/seed0/metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 24

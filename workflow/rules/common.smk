@@ -1,0 +1,64 @@
+# Shared helpers: the validated sweep (roundalign.sweep.Sweep does the cross-field checks, so a malformed
+# config fails here, naming the key, before any job starts) and the target lists of every rule.
+from roundalign.config import ConfigError
+from roundalign.sweep import Sweep
+
+try:
+    SWEEP = Sweep(config)
+except ConfigError as exc:
+    raise ValueError(f"invalid sweep config: {exc}") from None
+
+WORK = str(SWEEP.workdir)
+LOGS = f"logs/{SWEEP.name}"
+RESULTS = f"results/{SWEEP.name}"
+
+
+wildcard_constraints:
+    model="|".join(sorted(SWEEP.models)),
+    variant="[a-z0-9]+",
+    seed=r"\d+",
+    engine="vllm-compiled|vllm-eager",
+    sweep="[A-Za-z0-9._-]+",
+
+
+def tiny_args(model):
+    t = SWEEP.models[model]["tiny"]
+    return (
+        f"--arch {t['arch']} --hidden {t['hidden']} --layers {t['layers']} --heads {t['heads']} "
+        f"--kv-heads {t['kv_heads']} --seed {t['seed']} --qk-outlier-scale {t['qk_outlier_scale']} "
+        + ("--tie" if t["tie"] else "--no-tie")
+    )
+
+
+def policy(wildcards):
+    return SWEEP.policy_dir(wildcards.model)
+
+
+def train_inputs(wildcards):
+    inputs = {"model": policy(wildcards)}
+    if SWEEP.train_overrides(wildcards.model).get("task") == "math":
+        inputs["data"] = SWEEP.math_data_file()
+    return inputs
+
+
+def run_outputs(sweep):
+    return expand(
+        "results/{sweep}/runs/{run.model}/{run.variant}/seed{run.seed}/run.json",
+        sweep=sweep,
+        run=SWEEP.runs(),
+    )
+
+
+def probe_outputs(sweep):
+    return expand(
+        "results/{sweep}/probe/{model}/{engine}.csv",
+        sweep=sweep,
+        model=sorted(SWEEP.models),
+        engine=SWEEP.config["probe"]["engines"],
+    )
+
+
+def aggregate_targets(sweep):
+    return expand(
+        "results/{sweep}/aggregate/{table}.csv", sweep=sweep, table=AGGREGATE_TABLES
+    )

@@ -1,0 +1,17 @@
+# Constants and target helpers shared by the main Snakefile and workflow/figures.smk.
+
+FIGURE_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe"]
+AGGREGATE_TABLES = ["runs", "run_status", "probe", "probe_layers"]
+# Shell rules run `python -m roundalign` from PATH: the environment Snakemake runs in (make puts .venv/bin
+# first; on a cluster, the activated conda environment of environment.yml, which jobs inherit). The conda
+# directive documents that environment for --software-deployment-method conda.
+CONDA_ENV = "../../environment.yml"
+
+
+def figure_targets(sweep):
+    return expand(
+        "figures/{sweep}/{stem}.{ext}",
+        sweep=sweep,
+        stem=FIGURE_STEMS,
+        ext=["png", "pdf"],
+    ) + expand("figures/{sweep}/summary.{ext}", sweep=sweep, ext=["csv", "md"])
