@@ -1,6 +1,10 @@
 # Two commands do all set-up on a fresh CPU machine (Python 3.11 + pip, no conda):
-#   make demo   -> creates .venv, installs, runs the CPU demo
-#   make test   -> creates .venv if needed, installs, runs the whole test suite
+#   make demo     -> creates .venv, installs, runs the CPU smoke sweep end to end (snakemake --cores 2)
+#   make test     -> creates .venv if needed, installs, runs the whole test suite
+# and:
+#   make figures  -> figures/ from the committed aggregate tables only (no training)
+#   make report   -> report.html (snakemake --report) for the smoke sweep
+#   make bench    -> the benchmarks whose output is recorded under results/bench/
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -9,8 +13,10 @@ WORK    ?= work
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # torch on 2 cores: >1 thread made timings swing by 10x; the package defaults to 1 thread too.
 export OMP_NUM_THREADS ?= 1
+# Snakemake's shell rules run `python -m roundalign` from PATH
+export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo figures report bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,16 +32,18 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/roundalign make-tiny --arch qwen2 --out $(WORK)/models/tiny-qwen2 --hidden 64 --layers 2
-	$(BIN)/roundalign make-tiny --arch qwen3 --out $(WORK)/models/tiny-qwen3 --hidden 64 --layers 2
-	for m in tiny-qwen2 tiny-qwen3; do \
-	  $(BIN)/roundalign probe --model $(WORK)/models/$$m --engine vllm-compiled --attn eager --engine-gemm same \
-	    --prompts 8 --max-new-tokens 16 --seed 0 --out $(WORK)/probe/$$m-eager-same.csv || exit 1; \
-	done
+	$(BIN)/snakemake --cores 2
+
+figures: $(STAMP)
+	$(BIN)/snakemake -s workflow/figures.smk --cores 1 --forceall
+
+report: $(STAMP)
+	$(BIN)/snakemake --report report.html
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_numerics.py --out results/bench/numerics.txt
 	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
+	$(BIN)/python scripts/bench_workflow.py --out results/bench/workflow.txt
 
 clean:
 	rm -rf $(VENV) $(WORK) .pytest_cache

@@ -63,3 +63,21 @@ def test_math_loader_errors_are_clear(tmp_path):
     bad.write_text('{"text": "no problem column", "answer": "1"}\n')
     with pytest.raises(ValueError, match="problem columns"):
         load_math_dataset(str(bad))
+
+
+def test_prepared_math_data_round_trips(tmp_path):
+    from roundalign.fetch import prepare_math_data
+
+    out = prepare_math_data(str(FIXTURE), "train", tmp_path / "d/math.jsonl", log=lambda *_: None)
+    again = load_math_dataset(str(out))
+    assert again["answer"] == load_math_dataset(str(FIXTURE))["answer"]
+    assert again[0]["prompt"][1]["content"] == "What is $2+3$?"
+
+
+def test_fetch_model_without_network_fails_clearly_and_leaves_nothing(tmp_path, monkeypatch):
+    from roundalign.fetch import fetch_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match=r"(?s)could not download org/not-cached.*network access"):
+        fetch_model("org/not-cached", tmp_path / "m", log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
