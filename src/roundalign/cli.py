@@ -100,12 +100,52 @@ def make_parser() -> argparse.ArgumentParser:
     pt = sub.add_parser("pretrain-tiny", help="short supervised warm start of a tiny model on arith (TRL SFT)")
     pt.add_argument("--model", required=True, help="tiny model directory (from make-tiny)")
     pt.add_argument("--out", required=True, help="output model directory (written atomically)")
-    pt.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    pt.add_argument("--steps", type=int, default=1200, help="optimizer steps (default 1200)")
     pt.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     pt.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
     pt.add_argument("--max-operand", type=int, default=49, help="largest arith operand (default 49)")
     pt.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+
+    ag = sub.add_parser("aggregate", help="gather a sweep's per-run and probe files into tidy long CSV tables")
+    ag.add_argument("--results", required=True,
+                    help="results root R holding runs/{model}/{variant}/seed{N}/ and probe/{model}/{engine}.csv")
+    ag.add_argument("--out", required=True, help="output directory (R/aggregate by convention): runs.csv, "
+                                                 "run_status.csv, probe.csv, probe_layers.csv")
+    ag.add_argument("--strict", action="store_true",
+                    help="fail (exit 2) naming every bad file; default: skip them with one warning")
+    ag.add_argument("--sweep", help="value of the sweep column (default: the results root's directory name)")
+
+    pl = sub.add_parser("plot", help="paper figures and summary table from an aggregate directory")
+    pl.add_argument("--aggregate", required=True, help="directory written by `roundalign aggregate`")
+    pl.add_argument("--out", required=True, help="output directory: fig_<name>.<fmt>, summary.csv, summary.md")
+    pl.add_argument("--formats", type=_csv_list, default=("png", "pdf"),
+                    help="comma-separated image formats: png, pdf, svg (default png,pdf)")
+    pl.add_argument("--figures", type=_csv_list, default=None,
+                    help="comma-separated figure stems to make (default all: fig_reward, fig_k3, fig_is_ratio, "
+                         "fig_logp_diff, fig_probe, summary)")
+
+    fm = sub.add_parser("fetch-model", help="download a hub model snapshot (on a host with network)")
+    fm.add_argument("--hub-id", required=True, help="hub id, e.g. Qwen/Qwen2.5-Math-1.5B")
+    fm.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    fm.add_argument("--out", required=True, help="output directory (written atomically)")
+
+    pd_ = sub.add_parser("prepare-data", help="write a hub math dataset as local JSONL (problem, answer)")
+    pd_.add_argument("--dataset", required=True, help="hub dataset id, e.g. DigitalLearningGmbH/MATH-lighteval")
+    pd_.add_argument("--split", default="train", help="split (default train)")
+    pd_.add_argument("--out", required=True, help="output .jsonl file (written atomically)")
     return p
+
+
+def run_fetch_model(args) -> None:
+    from .fetch import fetch_model
+
+    fetch_model(args.hub_id, args.out, revision=args.revision)
+
+
+def run_prepare_data(args) -> None:
+    from .fetch import prepare_math_data
+
+    prepare_math_data(args.dataset, args.split, args.out)
 
 
 def run_make_tiny(args) -> None:
@@ -156,8 +196,21 @@ def run_pretrain_tiny(args) -> None:
                   max_operand=args.max_operand, seed=args.seed)
 
 
+def run_aggregate(args) -> None:
+    from .aggregate import aggregate
+
+    aggregate(args.results, args.out, strict=args.strict, sweep=args.sweep)
+
+
+def run_plot(args) -> None:
+    from .plots import make_all
+
+    make_all(args.aggregate, args.out, formats=args.formats, figures=args.figures)
+
+
 VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_cli,
-         "pretrain-tiny": run_pretrain_tiny}
+         "pretrain-tiny": run_pretrain_tiny, "aggregate": run_aggregate, "plot": run_plot,
+         "fetch-model": run_fetch_model, "prepare-data": run_prepare_data}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,131 @@
+"""Figure 5: the offline probe at identical weights (``roundalign probe``), trainer variant vs engine.
+
+Top left: token-level k3 per model and variant (bars, log scale; an exact zero is drawn at a floor,
+hatched and labelled "0 (bitwise)"). Top right: fraction of tokens whose log-prob is bitwise equal.
+Bottom: RMS relative error of the hidden state after each decoder layer (log scale), one panel per
+model (and engine, when there are several), hue = variant.
+
+Reads ``probe.csv`` and ``probe_layers.csv``; writes ``fig_probe.<fmt>``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from . import _common as C
+
+STEM = "fig_probe"
+K3 = ("token", "mismatch_k3")
+EXACT = ("token", "tokens_exact_frac")
+LAYER_METRIC = "hidden_rel_err_rms"
+
+
+def _groups(*tables: pd.DataFrame) -> list[tuple[str, str]]:
+    return sorted(set().union(*(set(zip(t["model"], t["engine"])) for t in tables if len(t))))
+
+
+def _group_label(group: tuple[str, str], multi_engine: bool) -> str:
+    return f"{group[0]}\n{group[1]}" if multi_engine else group[0]
+
+
+def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: bool) -> None:
+    """Grouped bars: x = (model, engine) group, one bar per variant."""
+    pal = C.palette(variants)
+    width = 0.8 / max(len(variants), 1)
+    floor = C.zero_floor(rows["value"]) if log else None
+    for k, variant in enumerate(variants):
+        for g, group in enumerate(groups):
+            v = rows[(rows["model"] == group[0]) & (rows["engine"] == group[1]) & (rows["variant"] == variant)]
+            if v.empty or not np.isfinite(v["value"].iloc[0]):
+                continue
+            value = float(v["value"].iloc[0])
+            x = g - 0.4 + width * (k + 0.5)
+            if log and value <= 0:
+                ax.bar(x, floor, width, color="white", edgecolor=pal[variant], hatch="///", lw=1, gid="zero_bar")
+                ax.text(x, floor * 1.3, C.ZERO_LABEL, rotation=90, ha="center", va="bottom", fontsize=6.5,
+                        color="0.25")
+            else:
+                ax.bar(x, value, width, color=pal[variant])
+    labels = [_group_label(g, multi_engine) for g in groups]
+    if multi_engine or len(groups) > 3:  # long or many labels: slant them so neighbours cannot collide
+        ax.set_xticks(range(len(groups)), labels, rotation=30, ha="right", rotation_mode="anchor", fontsize=7)
+    else:
+        ax.set_xticks(range(len(groups)), labels)
+    ax.set_xlim(-0.5, len(groups) - 0.5)
+    ax.grid(False, axis="x")
+    if log:
+        ax.set_yscale("log")
+        if floor is not None:
+            ax.set_ylim(floor / 3, ax.get_ylim()[1] * (30 if (rows["value"] > 0).sum() == 0 else 3))
+
+
+def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
+    """Returns (fig, axes) with axes = {"k3": Axes, "tokens_exact_frac": Axes, "layers": array of Axes}."""
+    with C.style():
+        groups = _groups(probe, probe_layers)
+        multi_engine = len({g[1] for g in groups}) > 1
+        k3 = probe[(probe["level"] == K3[0]) & (probe["metric"] == K3[1])]
+        exact = probe[(probe["level"] == EXACT[0]) & (probe["metric"] == EXACT[1])]
+        layers = probe_layers[probe_layers["metric"] == LAYER_METRIC]
+        layer_groups = _groups(layers)
+        variants = C.variant_order(set(k3["variant"]) | set(exact["variant"]) | set(layers["variant"]))
+
+        n = max(len(layer_groups), 1)
+        ncols = n if n <= 3 else min(4, math.ceil(math.sqrt(n)))
+        nrows = math.ceil(n / ncols)
+        width = max(2 * C.PANEL_SIZE_IN[0], ncols * C.PANEL_SIZE_IN[0]) + 1.3
+        fig = Figure(figsize=(width, C.PANEL_SIZE_IN[1] * (1.2 + nrows) + 0.6), layout="constrained")
+        top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, nrows])
+        ax_k3, ax_exact = top.subplots(1, 2)
+        layer_axes = bottom.subplots(nrows, ncols, squeeze=False).ravel()
+        for ax in layer_axes[n:]:
+            ax.remove()
+        layer_axes = layer_axes[:n]
+
+        ax_k3.set_title("token-level k3 at identical weights", fontsize=9)
+        if k3.empty:
+            C.no_data(ax_k3, "no data: token-level mismatch_k3\nnot in probe.csv")
+        else:
+            _bars(ax_k3, k3, groups, variants, multi_engine, log=True)
+            ax_k3.set_ylabel("k3 KL estimate (nats / token)")
+        ax_exact.set_title("bitwise-equal tokens", fontsize=9)
+        if exact.empty:
+            C.no_data(ax_exact, "no data: token-level tokens_exact_frac\nnot in probe.csv")
+        else:
+            _bars(ax_exact, exact, groups, variants, multi_engine, log=False)
+            ax_exact.set_ylim(0, 1.05)
+            ax_exact.set_ylabel("fraction of tokens with equal log p")
+
+        pal = C.palette(variants)
+        floor = C.zero_floor(layers["value"])
+        if layers.empty:
+            C.no_data(layer_axes[0], f"no data: {LAYER_METRIC}\nnot in probe_layers.csv")
+        for ax, group in zip(layer_axes, layer_groups):
+            d = C.apply_floor(layers[(layers["model"] == group[0]) & (layers["engine"] == group[1])], floor)
+            for variant in variants:
+                v = d[d["variant"] == variant].sort_values("layer")
+                if len(v):
+                    ax.plot(v["layer"], v["value"], marker="o", ms=3.5, lw=1.5, color=pal[variant], label=variant)
+            ax.set_yscale("log")
+            C.mark_floor(ax, floor)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_title(f"{group[0]} ({group[1]})" if multi_engine else group[0], fontsize=9)
+            ax.set_xlabel("decoder layer (0 = first)")
+            ax.set_ylabel("hidden-state RMS rel. error")
+        bottom.suptitle("per-layer relative error of the residual stream, trainer variant vs engine", fontsize=9)
+        C.variant_legend(fig, variants)
+        engines = sorted({g[1] for g in groups})
+        C.suptitle(fig, "Mismatch probe at identical weights" + (f" (engine {engines[0]})" if len(engines) == 1
+                                                                  else ""), probe if len(probe) else probe_layers)
+    return fig, {"k3": ax_k3, "tokens_exact_frac": ax_exact, "layers": layer_axes}
+
+
+def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
+    fig, _ = plot_probe(C.load_table(aggregate_dir, "probe"), C.load_table(aggregate_dir, "probe_layers"))
+    return C.save(fig, out_dir, STEM, C.check_formats(formats))

@@ -1,0 +1,232 @@
+"""roundalign.plots on a small synthetic aggregate written into tmp_path (no training).
+
+The aggregate: models m1, m2; variants baseline, full; seeds 0, 1; 20 steps, except m1/baseline/seed1,
+which collapsed at step 15. Values are simple functions of the step so summaries can be checked by hand:
+reward/mean = step/20 + 0.01*seed; k3 = 1e-4*step for baseline and exactly 0 for full.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+torch.set_num_threads(1)  # roundalign imports torch; keep CPU tests single-threaded
+
+from roundalign.aggregate import Aggregate, RUN_STATUS_COLUMNS, write_aggregate
+from roundalign.cli import main
+from roundalign.plots import CAPTIONS, FIGURES, make_all
+from roundalign.plots import _common as C
+from roundalign.plots.fig_is_ratio import plot_is_ratio
+from roundalign.plots.fig_k3 import plot_k3
+from roundalign.plots.fig_probe import plot_probe
+from roundalign.plots.summary import final_mean
+
+STEPS = 20
+COLLAPSE_STEP = 15
+IMAGE_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe"]
+
+
+def _tables(with_is_ratio=True, with_probe=True) -> Aggregate:
+    rows, status = [], []
+    for model in ("m1", "m2"):
+        for variant in ("baseline", "full"):
+            for seed in (0, 1):
+                collapsed = (model, variant, seed) == ("m1", "baseline", 1)
+                last = COLLAPSE_STEP if collapsed else STEPS
+                st = "collapsed" if collapsed else "done"
+                for step in range(1, last + 1):
+                    mism = 0.0 if variant == "full" else 1e-4 * step
+                    metrics = {"reward/mean": step / STEPS + 0.01 * seed, "mismatch/token/k3": mism,
+                               "mismatch/token/logp_abs_diff_mean": mism, "mismatch/token/logp_abs_diff_max": 10 * mism}
+                    if with_is_ratio:
+                        metrics.update({"mismatch/token/is_ratio_min": 1 - mism, "mismatch/token/is_ratio_mean": 1.0,
+                                        "mismatch/token/is_ratio_max": 1 + 2 * mism})
+                    rows += [("syn", model, variant, seed, step, k, v, st) for k, v in sorted(metrics.items())]
+                status.append(dict(zip(RUN_STATUS_COLUMNS, (
+                    "syn", model, variant, seed, st, last, COLLAPSE_STEP if collapsed else None,
+                    "non-finite optim/loss=nan" if collapsed else None, None, 10.0, "abc", "2.13.0", "5.17.0",
+                    "1.16.0", None))))
+    probe, layers = [], []
+    for model in ("m1", "m2") if with_probe else ():
+        for variant, k3, exact in (("baseline", 2e-4, 0.25), ("full", 0.0, 1.0)):
+            probe += [("syn", model, "vllm-compiled", variant, "token", "mismatch_k3", k3),
+                      ("syn", model, "vllm-compiled", variant, "token", "tokens_exact_frac", exact)]
+            layers += [("syn", model, "vllm-compiled", variant, layer, "hidden_rel_err_rms",
+                        0.0 if variant == "full" else 1e-3 * (layer + 1)) for layer in range(3)]
+    return Aggregate(
+        runs=pd.DataFrame(rows, columns=["sweep", "model", "variant", "seed", "step", "metric", "value", "status"]),
+        run_status=pd.DataFrame(status, columns=list(RUN_STATUS_COLUMNS)),
+        probe=pd.DataFrame(probe, columns=["sweep", "model", "engine", "variant", "level", "metric", "value"]),
+        probe_layers=pd.DataFrame(layers, columns=["sweep", "model", "engine", "variant", "layer", "metric", "value"]))
+
+
+@pytest.fixture(scope="module")
+def agg_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("syn") / "aggregate"
+    write_aggregate(_tables(), d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def rendered(agg_dir, tmp_path_factory):
+    """Every figure made twice, into two directories (png and pdf)."""
+    outs = [tmp_path_factory.mktemp(f"fig{i}") for i in range(2)]
+    for out in outs:
+        make_all(agg_dir, out, formats=("png", "pdf"), log=lambda _: None)
+    return outs
+
+
+def test_every_expected_file_and_nothing_else(rendered):
+    expected = {f"{stem}.{ext}" for stem in IMAGE_STEMS for ext in ("png", "pdf")} | {"summary.csv", "summary.md"}
+    assert {p.name for p in rendered[0].iterdir()} == expected
+    assert (rendered[0] / "fig_k3.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (rendered[0] / "fig_k3.pdf").read_bytes()[:5] == b"%PDF-"
+    assert b"CreationDate" not in (rendered[0] / "fig_k3.pdf").read_bytes()
+
+
+def test_rerun_is_byte_identical(rendered):
+    for path in sorted(rendered[0].iterdir()):
+        assert path.read_bytes() == (rendered[1] / path.name).read_bytes(), path.name
+
+
+def test_byte_identical_in_a_fresh_process_with_another_hash_seed(agg_dir, rendered, tmp_path):
+    # a Snakemake rerun is a new process: set iteration order (hash seed) must not leak into the bytes
+    code = ("import sys; from roundalign.plots import make_all; "
+            "make_all(sys.argv[1], sys.argv[2], formats=('png', 'pdf'), figures=['fig_k3', 'fig_probe'])")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "ROUNDALIGN_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code, str(agg_dir), str(tmp_path)], check=True, env=env,
+                   capture_output=True)
+    for name in ("fig_k3.png", "fig_k3.pdf", "fig_probe.png", "fig_probe.pdf"):
+        assert (tmp_path / name).read_bytes() == (rendered[0] / name).read_bytes(), name
+
+
+def test_final_mean_takes_the_last_tenth_at_least_one():
+    s = pd.Series(np.arange(1.0, 13.0), index=range(1, 13))
+    assert final_mean(s) == 11.5  # 12 steps -> ceil(1.2) = 2 -> mean(11, 12)
+    assert final_mean(s.iloc[:5]) == 5.0  # 5 steps -> ceil(0.5) = 1 -> the last one
+    assert final_mean(pd.Series([1.0, np.nan], index=[1, 2])) == 1.0  # non-finite steps are not counted
+    assert np.isnan(final_mean(pd.Series([], dtype=float)))
+
+
+def test_bootstrap_band_matches_seaborn_and_contains_the_mean():
+    import seaborn as sns
+
+    values = [0.0, 1.0, 2.0, 7.0]
+    df = pd.DataFrame({"step": [1] * 4 + [2], "value": values + [5.0]})
+    stats = C.mean_and_ci(df, n_boot=4000, seed=0)
+    one, single = stats.iloc[0], stats.iloc[1]
+    assert one["mean"] == 2.5 and one["lo"] <= 2.5 <= one["hi"] and 0.0 <= one["lo"] and one["hi"] <= 7.0
+    boots = sns.algorithms.bootstrap(np.array(values), func=np.mean, n_boot=4000, seed=0)
+    lo, hi = np.percentile(boots, [2.5, 97.5])  # seaborn's errorbar=("ci", 95)
+    assert one["lo"] == pytest.approx(lo, abs=0.15) and one["hi"] == pytest.approx(hi, abs=0.15)
+    assert single["mean"] == 5.0 and np.isnan(single["lo"]) and single["num_seeds"] == 1  # one seed: no band
+    assert C.mean_and_ci(df, n_boot=4000, seed=0).equals(stats)  # seeded
+
+
+def test_summary_hand_checked(rendered):
+    table = pd.read_csv(rendered[0] / "summary.csv")
+    assert list(zip(table["model"], table["variant"])) == [("m1", "baseline"), ("m1", "full"), ("m2", "baseline"),
+                                                          ("m2", "full")]
+    row = table.iloc[0]  # m1 baseline: seed 0 done (20 steps), seed 1 collapsed at 15
+    # seed 0: last ceil(0.1*20) = 2 steps: (19/20 + 20/20)/2 = 0.975
+    # seed 1: last ceil(0.1*15) = 2 steps: (14/20 + 15/20)/2 + 0.01 = 0.735  -> mean 0.855
+    assert row["final_reward"] == pytest.approx(0.855)
+    assert row["peak_k3"] == pytest.approx((20e-4 + 15e-4) / 2)  # max k3 per seed, then mean
+    assert (row["num_seeds"], row["num_done"], row["num_collapsed"]) == (2, 1, 1)
+    assert row["collapse_steps"] == "15 (seed 1)"
+    m2 = table.iloc[2]  # (0.975 + 0.985) / 2
+    assert m2["final_reward"] == pytest.approx(0.98) and m2["num_collapsed"] == 0
+    assert table.iloc[1]["peak_k3"] == 0.0  # full: bitwise-equal throughout
+
+    md = (rendered[0] / "summary.md").read_text()
+    assert "| m1 | baseline | 2 | 1 | 1 | 15 (seed 1) | 0 | 0.855 | 1.750e-03 |" in md
+    assert "| m1 | full | 2 | 2 | 0 | - | 0 | 0.980 | 0.000e+00 |" in md
+
+
+def test_collapse_marked_on_the_collapsed_runs_curve(agg_dir):
+    runs, status = C.load_table(agg_dir, "runs"), C.load_table(agg_dir, "run_status")
+    fig, axes = plot_k3(runs, status)
+    assert [ax.get_title() for ax in axes] == ["m1", "m2"]
+    marks = [line for line in axes[0].get_lines() if line.get_gid() == "collapse"]
+    assert len(marks) == 1 and marks[0].get_marker() == "x"
+    assert list(marks[0].get_xdata()) == [COLLAPSE_STEP]
+    assert marks[0].get_ydata()[0] == pytest.approx(1e-4 * COLLAPSE_STEP)  # the run's k3 at its collapse step
+    labels = [t.get_text() for t in axes[0].texts if t.get_gid() == "collapse_label"]
+    assert labels == ["baseline s1 collapsed @ 15"]
+    assert not [line for line in axes[1].get_lines() if line.get_gid() == "collapse"]
+    assert "collapse step" in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_exact_zeros_drawn_at_a_labelled_floor(agg_dir):
+    fig, axes = plot_k3(C.load_table(agg_dir, "runs"), C.load_table(agg_dir, "run_status"))
+    ax = axes[0]
+    assert ax.get_yscale() == "log"
+    floor = [line for line in ax.get_lines() if line.get_gid() == "zero_floor"]
+    assert len(floor) == 1 and floor[0].get_ydata()[0] == pytest.approx(1e-5)  # a decade below 1e-4
+    assert C.ZERO_LABEL in [t.get_text() for t in ax.texts]
+    assert ax.get_ylabel() == "k3 KL estimate (nats / token)" and ax.get_xlabel() == "optimizer step"
+
+    fig, axes = plot_probe(C.load_table(agg_dir, "probe"), C.load_table(agg_dir, "probe_layers"))
+    zero_bars = [p for p in axes["k3"].patches if p.get_gid() == "zero_bar"]
+    assert len(zero_bars) == 2  # full, for m1 and m2
+    assert [t.get_text() for t in axes["k3"].texts] == [C.ZERO_LABEL] * 2
+    assert len(axes["layers"]) == 2
+
+
+def _no_data_texts(fig):
+    return [t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == "no_data"]
+
+
+def test_missing_metrics_render_a_no_data_note(tmp_path, capsys):
+    t = _tables(with_is_ratio=False, with_probe=False)
+    fig, axes = plot_is_ratio(t.runs)
+    assert _no_data_texts(fig) and "no data" in _no_data_texts(fig)[0]
+    fig, _ = plot_probe(t.probe, t.probe_layers)
+    assert len(_no_data_texts(fig)) == 3  # k3 bars, exact-token bars, layer curves
+    write_aggregate(t, tmp_path / "agg")
+    paths = make_all(tmp_path / "agg", tmp_path / "fig", formats=("png",), log=print)
+    assert {p.name for p in paths} >= {"fig_is_ratio.png", "fig_probe.png"}
+    assert "[plot] wrote" in capsys.readouterr().out
+
+
+def test_bytes_do_not_depend_on_which_formats_were_saved_first(tmp_path):
+    # with panels of "no data" notes, a second constrained-layout pass used to move the axes slightly
+    write_aggregate(_tables(with_is_ratio=False, with_probe=False), tmp_path / "agg")
+    make_all(tmp_path / "agg", tmp_path / "a", formats=("png", "pdf"), figures=["fig_is_ratio"], log=lambda _: None)
+    make_all(tmp_path / "agg", tmp_path / "b", formats=("pdf",), figures=["fig_is_ratio"], log=lambda _: None)
+    assert (tmp_path / "a" / "fig_is_ratio.pdf").read_bytes() == (tmp_path / "b" / "fig_is_ratio.pdf").read_bytes()
+
+
+def test_empty_aggregate_still_renders(tmp_path):
+    empty = _tables(with_probe=False)
+    empty = Aggregate(empty.runs.iloc[:0], empty.run_status.iloc[:0], empty.probe, empty.probe_layers)
+    write_aggregate(empty, tmp_path / "agg")
+    paths = make_all(tmp_path / "agg", tmp_path / "fig", formats=("png",), log=lambda _: None)
+    assert len(paths) == len(IMAGE_STEMS) + 2
+    assert "no data" in (tmp_path / "fig" / "summary.md").read_text()
+
+
+def test_missing_aggregate_dir_is_named(tmp_path, capsys):
+    missing = tmp_path / "no_such_aggregate"
+    with pytest.raises(FileNotFoundError, match="no_such_aggregate"):
+        make_all(missing, tmp_path / "fig")
+    assert main(["plot", "--aggregate", str(missing), "--out", str(tmp_path / "fig")]) == 2
+    assert "no_such_aggregate" in capsys.readouterr().err
+    assert main(["plot", "--aggregate", str(missing), "--out", str(tmp_path / "f"), "--formats", "gif"]) == 2
+
+
+def test_cli_plot_selected_figures(agg_dir, tmp_path, capsys):
+    out = tmp_path / "fig"
+    assert main(["plot", "--aggregate", str(agg_dir), "--out", str(out), "--formats", "png",
+                 "--figures", "fig_reward,summary"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["fig_reward.png", "summary.csv", "summary.md"]
+    assert "[plot] wrote 3 files" in capsys.readouterr().out
+
+
+def test_captions_cover_every_output_stem():
+    assert set(CAPTIONS) == set(FIGURES) == set(IMAGE_STEMS) | {"summary"}
+    assert all(len(c) > 100 and "\n" not in c for c in CAPTIONS.values())
