@@ -40,7 +40,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from roundalign.numerics.vllm_native import (
+    vllm_cos_sin_cache,
+    vllm_qwen3_qk_norm_rope,
+    vllm_rms_norm,
+    vllm_rope_forward_native,
+    vllm_silu_and_mul,
+)
 
 BF16 = torch.bfloat16
 EPS = 1e-6
@@ -60,64 +67,6 @@ MODELS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------
-# vLLM forward_native formulas (verbatim; see tests/test_inductor.py)
-
-
-def vllm_rms_norm(x, weight, eps, residual=None):
-    orig_dtype = x.dtype
-    x = x.to(torch.float32)
-    if residual is not None:
-        x = x + residual
-        residual = x.to(orig_dtype)
-    variance = x.pow(2).mean(dim=-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    x = x.to(orig_dtype)
-    if weight is not None:
-        x = x * weight
-    if residual is None:
-        return x
-    return x, residual
-
-
-def vllm_silu_and_mul(x):
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
-
-
-def vllm_apply_rotary_emb_torch(x, cos, sin):
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    return torch.cat((o1, o2), dim=-1)
-
-
-def vllm_rope_forward_native(positions, query, key, head_size, cos_sin_cache):
-    positions = positions.flatten()
-    num_tokens = positions.shape[0]
-    cos_sin = cos_sin_cache.index_select(0, positions)
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    query_shape = query.shape
-    query = vllm_apply_rotary_emb_torch(query.view(num_tokens, -1, head_size), cos, sin).reshape(query_shape)
-    key_shape = key.shape
-    key = vllm_apply_rotary_emb_torch(key.view(num_tokens, -1, head_size), cos, sin).reshape(key_shape)
-    return query, key
-
-
-def vllm_cos_sin_cache(head_size, max_pos, base, dtype, device):
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float, device=device) / head_size))
-    t = torch.arange(max_pos, dtype=torch.float, device=device)
-    freqs = torch.einsum("i,j -> ij", t, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
-
-
-def vllm_qwen3_qk_norm_rope(positions, q, k, q_weight, k_weight, cos_sin_cache, head_dim):
-    q_by_head = vllm_rms_norm(q.view(*q.shape[:-1], q.shape[-1] // head_dim, head_dim), q_weight, EPS)
-    k_by_head = vllm_rms_norm(k.view(*k.shape[:-1], k.shape[-1] // head_dim, head_dim), k_weight, EPS)
-    return vllm_rope_forward_native(positions, q_by_head.view(q.shape), k_by_head.view(k.shape), head_dim,
-                                    cos_sin_cache)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +167,7 @@ def check_inductor(device: torch.device, s: dict, seed: int) -> list[dict]:
         # Qwen3 q/k norm -> RoPE, one graph
         qw, kw = _weight(D, gen, device), _weight(D, gen, device)
         q, k = _rand((T, H * D), gen, device), _rand((T, KVH * D), gen, device)
-        (cq, ck), sec = compile_run(lambda p, a, b: vllm_qwen3_qk_norm_rope(p, a, b, qw, kw, cache, D), pos, q, k)
+        (cq, ck), sec = compile_run(lambda p, a, b: vllm_qwen3_qk_norm_rope(p, a, b, qw, kw, cache, D, EPS), pos, q, k)
         for name, x, nw, c, h in (("qk_norm_rope q", q, qw, cq, H), ("qk_norm_rope k", k, kw, ck, KVH)):
             xh = x.view(T, h, D)
             fused = regions.rope_fused(regions.rmsnorm_fused(xh, nw, EPS, keep_fp32=True), cos, sin)

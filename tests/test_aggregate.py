@@ -65,7 +65,7 @@ def tree(tmp_path):
 
 def test_hand_checked_tables(tree, capsys):
     out = tree / "aggregate"
-    agg = aggregate(tree, out)
+    aggregate(tree, out)
     runs = pd.read_csv(out / "runs.csv")
     assert tuple(runs.columns) == RUNS_COLUMNS
     assert len(runs) == 3 * 2 + 2 * 2

@@ -1,6 +1,5 @@
 """The emulated engine: bitwise agreement with the aligned trainer, KV cache, sampler, weight sync."""
 
-import copy
 import math
 
 import pytest

@@ -17,9 +17,15 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from roundalign.numerics import regions
+from roundalign.numerics.vllm_native import (
+    vllm_cos_sin_cache,
+    vllm_qwen3_qk_norm_rope,
+    vllm_rms_norm,
+    vllm_rope_forward_native,
+    vllm_silu_and_mul,
+)
 
 torch.set_num_threads(1)
 
@@ -37,83 +43,6 @@ THETA = 1e6
 MAX_NORM_FRAC = 1e-4  # fp32 reduction-order noise allowed for the norms (bitwise elsewhere)
 
 
-# ----------------------------------------------------------------------------------------------
-# vLLM forward_native formulas (vllm/model_executor/layers/{layernorm,activation,rotary_embedding}.py)
-
-
-def vllm_rms_norm(x, weight, eps, residual=None):
-    """``RMSNorm.forward_static`` (no variance_size_override)."""
-    orig_dtype = x.dtype
-    x = x.to(torch.float32)
-    if residual is not None:
-        x = x + residual
-        residual = x.to(orig_dtype)
-    variance = x.pow(2).mean(dim=-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    x = x.to(orig_dtype)
-    if weight is not None:
-        x = x * weight
-    if residual is None:
-        return x
-    return x, residual
-
-
-def vllm_silu_and_mul(x):
-    """``SiluAndMul.forward_native``: x is the merged gate_up projection output."""
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
-
-
-def vllm_apply_rotary_emb_torch(x, cos, sin, is_neox_style=True):
-    """``_apply_rotary_emb_torch``: x (T, H, rot_dim), cos/sin (T, rot_dim // 2)."""
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    if is_neox_style:
-        x1, x2 = torch.chunk(x, 2, dim=-1)
-    else:
-        x1 = x[..., ::2]
-        x2 = x[..., 1::2]
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    if is_neox_style:
-        return torch.cat((o1, o2), dim=-1)
-    return torch.stack((o1, o2), dim=-1).flatten(-2)
-
-
-def vllm_rope_forward_native(positions, query, key, head_size, cos_sin_cache, is_neox_style=True):
-    """``RotaryEmbedding.forward_native`` with rotary_dim == head_size."""
-    positions = positions.flatten()
-    num_tokens = positions.shape[0]
-    cos_sin = cos_sin_cache.index_select(0, positions)
-    cos, sin = cos_sin.chunk(2, dim=-1)
-
-    query_shape = query.shape
-    query = query.view(num_tokens, -1, head_size)
-    query = vllm_apply_rotary_emb_torch(query, cos, sin, is_neox_style).reshape(query_shape)
-
-    key_shape = key.shape
-    key = key.view(num_tokens, -1, head_size)
-    key = vllm_apply_rotary_emb_torch(key, cos, sin, is_neox_style).reshape(key_shape)
-    return query, key
-
-
-def vllm_cos_sin_cache(head_size, max_pos, base, dtype):
-    """``RotaryEmbedding._compute_cos_sin_cache`` then ``.to(dtype)`` (vLLM keeps the cache in the model dtype)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size))
-    t = torch.arange(max_pos, dtype=torch.float)
-    freqs = torch.einsum("i,j -> ij", t, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
-
-
-def vllm_qwen3_qk_norm_rope(positions, q, k, q_weight, k_weight, cos_sin_cache):
-    """Qwen3Attention.forward between the qkv split and attention: per-head q/k RMSNorm, then RoPE."""
-    q_by_head = q.view(*q.shape[:-1], q.shape[-1] // HEAD_DIM, HEAD_DIM)
-    q_by_head = vllm_rms_norm(q_by_head, q_weight, EPS)
-    q = q_by_head.view(q.shape)
-    k_by_head = k.view(*k.shape[:-1], k.shape[-1] // HEAD_DIM, HEAD_DIM)
-    k_by_head = vllm_rms_norm(k_by_head, k_weight, EPS)
-    k = k_by_head.view(k.shape)
-    return vllm_rope_forward_native(positions, q, k, HEAD_DIM, cos_sin_cache)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +104,7 @@ def compile_fn(tmp_path_factory):
             compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = compiled(*args)
+                compiled(*args)  # the first call compiles
             times[name] = time.perf_counter() - t0
             print(f"\n[inductor] compiled+ran {name} in {times[name]:.1f}s")
             return compiled
@@ -291,7 +220,7 @@ def test_qwen3_qk_norm_rope_compiled_is_one_rounding(compile_fn):
     cache = vllm_cos_sin_cache(HEAD_DIM, MAX_POS, THETA, BF16)
     qw, kw = _weight(HEAD_DIM, 2), _weight(HEAD_DIM, 3)
     pos = _positions(1)
-    fn = lambda p, q, k: vllm_qwen3_qk_norm_rope(p, q, k, qw, kw, cache)  # noqa: E731
+    fn = lambda p, q, k: vllm_qwen3_qk_norm_rope(p, q, k, qw, kw, cache, HEAD_DIM, EPS)  # noqa: E731
     compiled = compile_fn("qk_norm_rope", fn, pos, _rand((T, N_HEADS * HEAD_DIM), 7),
                           _rand((T, N_KV_HEADS * HEAD_DIM), 8))
     cos, sin = _full_tables(cache, pos)

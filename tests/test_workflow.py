@@ -151,3 +151,13 @@ def test_smoke_sweep_for_one_tiny_model_end_to_end_with_a_preempted_job(wf):
         assert run["status"] == "done" and run["resumed_from"]
     lines = (wf / "results/smoke/runs/tiny-qwen3-tied/full/seed0/metrics.jsonl").read_text().splitlines()
     assert len(lines) == 24
+
+
+def test_report_captions_are_the_plot_captions():
+    # workflow/report/<stem>.rst feed `snakemake --report`; they are CAPTIONS from roundalign.plots, wrapped
+    import textwrap
+
+    from roundalign.plots import CAPTIONS
+
+    for stem, caption in CAPTIONS.items():
+        assert (ROOT / f"workflow/report/{stem}.rst").read_text() == textwrap.fill(caption, 110) + "\n", stem

@@ -4,9 +4,6 @@ network) only read local files. Both write atomically: a temporary sibling renam
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 
@@ -14,11 +11,11 @@ def fetch_model(hub_id: str, out_dir: str | Path, revision: str = "main", log=pr
     """Download a model snapshot (weights, config, tokenizer) into ``out_dir``."""
     from huggingface_hub import snapshot_download
 
+    from .io import atomic_dir
+
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        log(f"[fetch-model] {hub_id}@{revision} -> {out_dir}")
+    log(f"[fetch-model] {hub_id}@{revision} -> {out_dir}")
+    with atomic_dir(out_dir) as tmp:
         try:
             snapshot_download(repo_id=hub_id, revision=revision, local_dir=tmp)
         except Exception as exc:  # network, auth, unknown id: one clear message
@@ -26,12 +23,6 @@ def fetch_model(hub_id: str, out_dir: str | Path, revision: str = "main", log=pr
                                "Run this rule on a host with network access (it is a localrule).") from None
         if not (tmp / "config.json").is_file():
             raise RuntimeError(f"{hub_id}@{revision} has no config.json: not a transformers model")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

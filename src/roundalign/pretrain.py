@@ -12,8 +12,6 @@ prompts' seed, but the two sets may share problems: the warm start teaches the f
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
     from transformers import PrinterCallback, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
+    from .io import atomic_dir
     from .models import load_model, load_tokenizer
     from .tasks.arith import arith_reward, make_arith_problems
     from .tiny import META_FILE
@@ -66,9 +65,7 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
     accuracy = _greedy_accuracy(model, tokenizer, max_operand, seed, arith_reward, make_arith_problems)
     log(f"[pretrain-tiny] greedy accuracy on 64 held-out problems: {accuracy:.3f}")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp_dir:
         model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
@@ -77,12 +74,6 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
                        "batch_size": batch_size, "max_operand": max_operand, "seed": seed,
                        "greedy_accuracy_64": accuracy, "wall_time_s": round(time.perf_counter() - t0, 1)}
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     log(f"[pretrain-tiny] wrote {out_dir}")
     return out_dir
 
