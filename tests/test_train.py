@@ -245,3 +245,11 @@ def test_cli_exports_finished_runs_only(sft_model, tmp_path):
     assert main([*args, "--out", str(tmp_path / "run"), "--export", str(tmp_path / "exp")]) == 0
     assert (tmp_path / "exp/metrics.jsonl").read_text() == (tmp_path / "run/metrics.jsonl").read_text()
     assert json.loads((tmp_path / "exp/run.json").read_text())["status"] == "done"
+
+
+def test_reference_model_rounds_like_the_policy(sft_model, tmp_path):
+    # beta > 0: TRL builds a reference model. Aligned like the policy, their KL is exactly 0 before the
+    # first update and positive after it (unaligned, step 1 showed the alignment itself: ~4e-4 nats).
+    res = run_train(cfg(sft_model, steps=2, beta=0.04), tmp_path / "kl", **QUIET)
+    kl = [r["policy/kl"] for r in metrics(tmp_path / "kl")]
+    assert res.status == "done" and kl[0] == 0.0 and kl[1] > 0.0

@@ -413,6 +413,10 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
+    if getattr(trainer, "ref_model", None) is not None:
+        # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
+        # KL would measure the alignment itself (4e-4 nats at step 1 on a tiny model before this line)
+        apply_alignment(trainer.ref_model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
     trainer.log_mismatch = cfg.mismatch_metrics
     if cfg.use_is_correction:
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
