@@ -205,7 +205,7 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     table, layer_table = pd.DataFrame(rows), pd.DataFrame(layer_rows)
     atomic_write_csv(table, out_csv)
     atomic_write_csv(layer_table, layers_csv)
-    meta = {"config": {**asdict(ProbeConfig(**asdict(cfg))), "variants": list(cfg.variants)},
+    meta = {"config": {**asdict(cfg), "variants": list(cfg.variants)},
             "num_completion_tokens": n_tok, "wall_time_s": round(time.perf_counter() - t0, 3),
             "outputs": [str(out_csv), str(layers_csv)], "env": environment_info()}
     atomic_write_json(meta_json, meta)

@@ -131,8 +131,7 @@ def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: 
 # may reduce the RMSNorm mean in another order (~1e-5 of elements 1 ulp apart, tests/test_inductor.py).
 
 KERNEL_MODES = ("eager", "compiled")
-_FUSED = ("rope_fused", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum",
-          "qk_norm_rope_fused")
+_FUSED = ("rope_fused", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum")
 _KERNEL_CACHE: dict[str, object] = {}
 
 
