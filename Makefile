@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh CPU machine (Python 3.11 + pip, no conda):
-#   make demo     -> creates .venv, installs, runs the CPU smoke sweep end to end (snakemake --cores 2)
+#   make demo     -> creates .venv, installs, runs the CPU smoke sweep end to end under the name "demo"
+#                    (results/demo, figures/demo; the committed results/smoke came from `snakemake --cores 2`)
 #   make test     -> creates .venv if needed, installs, runs the whole test suite
 # and:
 #   make figures  -> figures/ from the committed aggregate tables only (no training)
@@ -32,7 +33,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/snakemake --cores 2
+	$(BIN)/snakemake --cores 2 --config sweep=demo
 
 figures: $(STAMP)
 	$(BIN)/snakemake -s workflow/figures.smk --cores 1 --forceall

@@ -10,8 +10,9 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-# The CPU smoke sweep is the default; --configfile replaces it (and overlays merge onto each other).
-if not config:
+# The CPU smoke sweep is the default; a --configfile with models replaces it (overlays merge onto each
+# other), while --config key=value alone (e.g. sweep=demo) only overrides keys of the smoke sweep.
+if "models" not in config:
 
     configfile: "configs/smoke.yaml"
 
