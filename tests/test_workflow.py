@@ -199,3 +199,12 @@ def test_report_has_a_caption_per_figure(wf_with_results):
     assert res.returncode == 0, res.stderr[-3000:]
     html = (wf_with_results / "report.html").read_text(errors="replace")
     assert "Figures" in html and "Summary table" in html
+
+
+def test_demo_runs_the_smoke_sweep_under_its_own_name(wf):
+    # make demo: --config sweep=demo keeps the smoke models but writes results/demo, figures/demo
+    res = smk(wf, "-n", "--config", "sweep=demo")
+    assert res.returncode == 0, res.stderr
+    assert job_counts(res.stdout)["train"] == 12
+    assert "results/demo/runs/tiny-qwen3-untied/full/seed0/run.json" in res.stdout
+    assert "results/smoke/" not in res.stdout
