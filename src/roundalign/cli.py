@@ -158,16 +158,12 @@ def run_make_tiny(args) -> None:
 
 
 def run_probe_cli(args) -> None:
-    from .io import check_writable
-    from .models import resolve_model_path
     from .probe import ProbeConfig, run_probe
 
     cfg = ProbeConfig(model=args.model, engine=args.engine, attn=args.attn, engine_gemm=args.engine_gemm,
                       variants=args.variants, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       seed=args.seed, temperature=args.temperature, context_tokens=args.context_tokens,
                       splitk_chunk=args.splitk_chunk, dtype=args.dtype)
-    resolve_model_path(cfg.model)  # fails fast on a missing model
-    check_writable(args.out)
     _setup_runtime()
     run_probe(cfg, args.out)
 

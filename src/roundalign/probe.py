@@ -155,8 +155,9 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     """Run the probe and write its three files; returns (table, layer_table) as DataFrames."""
     import pandas as pd
 
-    from .models import load_model, load_tokenizer
+    from .models import load_model, load_tokenizer, resolve_model_path
 
+    resolve_model_path(cfg.model)  # fail fast on a missing model, before loading anything
     out_csv = check_writable(out_csv)
     layers_csv = out_csv.with_name(out_csv.stem + "_layers.csv")
     meta_json = out_csv.with_suffix(".json")

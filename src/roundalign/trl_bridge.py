@@ -120,12 +120,11 @@ class RoundalignGRPOTrainer(GRPOTrainer):
                 batch_size=self.args.per_device_train_batch_size, compute_entropy=True)
         mask = output["completion_mask"].bool()
         engine_logp = output["sampling_per_token_logps"]
-        result = M.flatten_metrics(M.mismatch_metrics(train_logp.float(), engine_logp.float(), mask,
-                                                      entropy=entropy.float()))
-        for key, value in result.items():
-            level, name = key.split("/", 1)
-            name = name.removeprefix("mismatch_")
-            self._metrics[mode][f"mismatch/{'seq' if level == 'sequence' else level}/{name}"].append(value)
+        result = M.mismatch_metrics(train_logp.float(), engine_logp.float(), mask, entropy=entropy.float())
+        for level, values in result.items():
+            for name, value in values.items():
+                key = f"mismatch/{'seq' if level == 'sequence' else level}/{name.removeprefix('mismatch_')}"
+                self._metrics[mode][key].append(float(value))
         if self.mismatch_is is not None:
             mode_is, cap, clip_min = self.mismatch_is
             for key, value in _is_stats(train_logp.float() - engine_logp.float(), mask, mode_is, cap,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..numerics import regions
-from ..numerics.patch import _decoder
+from ..numerics.patch import decoder_trunk
 from ..numerics.plan import RoundingPlan, engine_plan
 
 ATTN_IMPLS = ("eager", "sdpa")
@@ -101,7 +101,7 @@ class EngineModel:
         if splitk_chunk < 1:
             raise ValueError(f"splitk_chunk must be >= 1, got {splitk_chunk}")
         self.splitk_chunk = splitk_chunk
-        trunk = _decoder(model)
+        trunk = decoder_trunk(model)
         cfg = trunk.config
         self.config = cfg
         self.num_heads = cfg.num_attention_heads
@@ -116,7 +116,7 @@ class EngineModel:
     @torch.no_grad()
     def sync_weights(self, model: nn.Module) -> None:
         """Copy every weight from ``model`` (the trainer) into the engine's private tensors."""
-        trunk = _decoder(model)
+        trunk = decoder_trunk(model)
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         self.dtype = trunk.embed_tokens.weight.dtype
         self.embed = clone(trunk.embed_tokens.weight)

@@ -54,7 +54,7 @@ _PLAN_ATTR = "_roundalign_plan"  # RoundingPlan on each patched submodule
 _KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace on each patched submodule
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def decoder_trunk(model: nn.Module) -> nn.Module:
     """The ``Qwen*Model`` inside ``model`` (or ``model`` itself)."""
     cls = type(model).__name__
     if cls not in SUPPORTED_MODEL_CLASSES:
@@ -212,7 +212,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     """
     check_variant(variant)
     check_engine(engine)
-    trunk = _decoder(model)
+    trunk = decoder_trunk(model)
     act = getattr(trunk.config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act={act!r}")
