@@ -44,6 +44,7 @@ import torch
 from roundalign.numerics.vllm_native import (
     vllm_cos_sin_cache,
     vllm_qwen3_qk_norm_rope,
+    vllm_fused_add_rms_norm,
     vllm_rms_norm,
     vllm_rope_forward_native,
     vllm_silu_and_mul,
@@ -156,7 +157,7 @@ def check_inductor(device: torch.device, s: dict, seed: int) -> list[dict]:
 
         # residual add + RMSNorm
         x, r = _rand((T, s["hidden"]), gen, device), _rand((T, s["hidden"]), gen, device, 4.0)
-        (c, c_res), sec = compile_run(lambda a, b: vllm_rms_norm(a, w, EPS, residual=b), x, r)
+        (c, c_res), sec = compile_run(lambda a, b: vllm_fused_add_rms_norm(a, b, w, EPS), x, r)
         fused, fused_res = regions.add_rmsnorm_fp32_sum(x, r, w, EPS)
         add("add_rms_norm", "fused-vs-compiled", c, fused, sec)
         add("add_rms_norm", "hf-vs-compiled", c, regions.rmsnorm_hf(x + r, w, EPS))

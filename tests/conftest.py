@@ -34,7 +34,10 @@ def random_qwen(arch: str, *, dtype=torch.bfloat16, tie=False, seed=0, hidden=64
                 p.normal_(0.0, hidden ** -0.5 if tie else 1.0)
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5)
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
     model = model.to(dtype).eval()
+    # .to(dtype) would also cast RoPE's inv_freq buffer; from_pretrained(dtype=bf16) keeps it fp32 (as vLLM does)
+    model.model.rotary_emb.inv_freq = inv_freq
     model.set_attn_implementation(attn)
     return model
 

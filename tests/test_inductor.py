@@ -22,6 +22,7 @@ from roundalign.numerics import regions
 from roundalign.numerics.vllm_native import (
     vllm_cos_sin_cache,
     vllm_qwen3_qk_norm_rope,
+    vllm_fused_add_rms_norm,
     vllm_rms_norm,
     vllm_rope_forward_native,
     vllm_silu_and_mul,
@@ -196,7 +197,7 @@ def test_rms_norm_compiled_equals_fused(compile_fn):
 
 def test_add_rms_norm_compiled_equals_fp32_sum(compile_fn):
     w = _weight(HIDDEN, 1)
-    fn = lambda x, r: vllm_rms_norm(x, w, EPS, residual=r)  # noqa: E731
+    fn = lambda x, r: vllm_fused_add_rms_norm(x, r, w, EPS)  # noqa: E731
     compiled = compile_fn("add_rms_norm", fn, _rand((T, HIDDEN), 5), _rand((T, HIDDEN), 6))
     for scale in SCALES:
         x, r = _rand((T, HIDDEN), 5, scale), _rand((T, HIDDEN), 6, 4 * scale)

@@ -108,6 +108,13 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
         path, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=True
     )
     model.eval()
+    from .numerics.patch import apply_alignment, recorded_alignment
+
+    rec = recorded_alignment(model.config)
+    if rec is not None:  # saved from an aligned model: a plain from_pretrained would silently give stock numerics
+        print(f"[roundalign] {path}: re-applying the recorded alignment variant={rec[0]} engine={rec[1]} "
+              f"kernels={rec[2]}", flush=True)
+        apply_alignment(model, *rec)
     return model
 
 

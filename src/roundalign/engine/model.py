@@ -29,12 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..numerics import regions
+from ..numerics import regions, vllm_native
 from ..numerics.patch import decoder_trunk
-from ..numerics.plan import RoundingPlan, engine_plan
+from ..numerics.plan import RoundingPlan, engine_plan, plan_for
+from . import compiled
 
 ATTN_IMPLS = ("eager", "sdpa")
 ENGINE_GEMMS = ("same", "splitk")
+SOFTMAX_MIN_COLS = 64
 
 
 def check_choice(name: str, value: str, valid: tuple[str, ...]) -> str:
@@ -93,9 +95,11 @@ class EngineModel:
     """
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
-                 splitk_chunk: int = 64):
-        self.plan: RoundingPlan = engine_plan(engine)
+                 splitk_chunk: int = 64, norm_reduction: str = "opaque", regions: str = "full"):
+        self.plan: RoundingPlan = engine_plan(engine) if regions == "full" else plan_for(engine, regions)
         self.engine = engine
+        self.regions = regions
+        self.norm_reduction = check_choice("norm reduction", norm_reduction, compiled.NORM_REDUCTIONS)
         self.attn = check_choice("attention implementation", attn, ATTN_IMPLS)
         self.gemm = check_choice("engine GEMM", gemm, ENGINE_GEMMS)
         if splitk_chunk < 1:
@@ -112,6 +116,18 @@ class EngineModel:
         self.rotary_emb = trunk.rotary_emb  # stateless apart from inv_freq: cos/sin tables as HF computes them
         self.layers: list[_Layer] = []
         self.sync_weights(model)
+        self.spec = None
+        if engine == "vllm-compiled":
+            # vLLM's own bf16 cos/sin table (RotaryEmbedding._compute_cos_sin_cache(), then .to(dtype))
+            theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
+            rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+            if rope_type != "default":
+                raise ValueError(f"the compiled engine implements default (unscaled) RoPE; this model has {rope_type!r}")
+            self.cos_sin_cache = vllm_native.vllm_cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta,
+                                                                self.dtype)
+            self.spec = compiled.make_spec(regions=regions, gemm=gemm, splitk_chunk=splitk_chunk,
+                                           norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
+                                           qk_norm=self.layers[0].q_norm is not None)
 
     @torch.no_grad()
     def sync_weights(self, model: nn.Module) -> None:
@@ -148,20 +164,24 @@ class EngineModel:
             acc = acc + b.float()
         return acc.to(x.dtype)
 
+    # The hand-modelled path below is the ``vllm-eager`` engine (vLLM 0.31's CUDA custom ops): RoPE and
+    # RMSNorm round once (fp32 inside), ``fused_add_rms_norm`` reads the rounded bf16 sum, ``silu_and_mul``
+    # rounds silu before the multiply. Single-region plans of the eager engine take HF's style elsewhere.
+
     def _norm(self, x: Tensor, w: Tensor, residual: Tensor | None):
+        fused = self.plan.norm == "fused"
         if residual is None:
-            return regions.rmsnorm_fused(x, w, self.eps), x
-        if self.plan.residual == "fp32":
-            return regions.add_rmsnorm_fp32_sum(x, residual, w, self.eps)
-        return regions.add_rmsnorm_bf16_sum(x, residual, w, self.eps)
+            return (regions.rmsnorm_fused if fused else regions.rmsnorm_hf)(x, w, self.eps), x
+        if fused:
+            return regions.add_rmsnorm_bf16_sum(x, residual, w, self.eps)
+        s = residual + x
+        return regions.rmsnorm_hf(s, w, self.eps), s
 
     def _qk(self, x: Tensor, norm_w: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
         """(B, T, H, D) projection output -> (B, H, T, D) after [q/k norm and] RoPE."""
         if norm_w is not None:
-            if self.plan.qk_norm_rope == "fused":
-                return regions.qk_norm_rope_fused(x, norm_w, self.eps, cos, sin)
-            x = regions.rmsnorm_fused(x, norm_w, self.eps)
-        return regions.rope_fused(x.transpose(1, 2), cos, sin)
+            x = (regions.rmsnorm_fused if self.plan.norm == "fused" else regions.rmsnorm_hf)(x, norm_w, self.eps)
+        return (regions.rope_fused if self.plan.rope == "fused" else regions.rope_hf)(x.transpose(1, 2), cos, sin)
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
         """q: (B, H, Tq, D); k, v: (B, H_kv, Tk, D) -> (B, Tq, H*D)."""
@@ -174,12 +194,20 @@ class EngineModel:
         else:
             # HF eager_attention_forward: bf16 scores * scaling, additive min-value causal mask, fp32 softmax
             scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
-            if causal and q.shape[2] > 1:
-                tq, tk = q.shape[2], k.shape[2]
+            tq, tk = q.shape[2], k.shape[2]
+            if causal and tq > 1:
                 mask = torch.full((tq, tk), torch.finfo(scores.dtype).min, dtype=scores.dtype)
                 mask = torch.triu(mask, diagonal=tk - tq + 1)
                 scores = scores + mask
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            # ATen's CPU softmax reduces a row shorter than its SIMD width on a scalar path and a longer one on
+            # a vector path, so the same causal row can differ by an fp32 ulp between a short decode row and
+            # the trainer's masked full-length row (whose masked tail adds exact zeros). The trainer's rows
+            # are as long as the scored sequence; padding ours with masked columns to >= SOFTMAX_MIN_COLS
+            # gives the result of any padded length >= 16 (measured: the sums agree for every padded
+            # length >= the SIMD width). A kernel detail of the CPU emulation, not of vLLM.
+            if tk < SOFTMAX_MIN_COLS:
+                scores = F.pad(scores, (0, SOFTMAX_MIN_COLS - tk), value=torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :tk].to(q.dtype)
             out = torch.matmul(probs, v)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
@@ -193,6 +221,8 @@ class EngineModel:
         bsz, seq = input_ids.shape
         start = cache.length
         positions = torch.arange(start, start + seq).unsqueeze(0).expand(bsz, -1)
+        if self.spec is not None:
+            return self._forward_compiled(input_ids, positions, cache, layer_states)
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -213,3 +243,20 @@ class EngineModel:
                 layer_states.append((residual.float() + h.float()).to(self.dtype))
         x, _ = self._norm(h, self.final_norm, residual)
         return self._linear(x, self.lm_head)
+
+    def _forward_compiled(self, input_ids: Tensor, positions: Tensor, cache: KVCache, layer_states: list | None):
+        """``vllm-compiled``: Inductor-compiled pieces between attention calls (``engine.compiled``); the LM head
+        runs eagerly after the model, as vLLM's ``compute_logits`` does."""
+        bsz, seq = input_ids.shape
+        split = (bsz, seq, -1, self.head_dim)
+
+        def attend(i, q, k, v):
+            q, k, v = (t.view(split).transpose(1, 2) for t in (q, k, v))
+            k, v = cache.append(i, k, v)
+            return self._attention(q, k, v, causal=True).reshape(bsz * seq, -1)
+
+        states = [] if layer_states is not None else None
+        hidden = compiled.run_model(self.spec, self, input_ids.reshape(-1), positions.reshape(-1), attend, states)
+        if layer_states is not None:
+            layer_states.extend(s.view(bsz, seq, -1) for s in states)
+        return self._linear(hidden.view(bsz, seq, -1), self.lm_head)

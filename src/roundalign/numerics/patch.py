@@ -10,27 +10,41 @@ intermediates in fp32 until the point where the engine writes its result:
 - RoPE: ``q*cos + rotate_half(q)*sin`` is computed in fp32 and rounded once.
 - SwiGLU: ``silu(gate) * up`` is computed in fp32 and rounded once (compiled engine only: the
   eager CUDA op rounds like HF, so there it is left alone).
-- residual add + RMSNorm: every RMSNorm multiplies by its weight in fp32 and rounds once; under the
-  compiled engine the norm after a residual add reads the UNROUNDED fp32 sum. To get that sum to the
-  next layer without touching ``Qwen2Model.forward``, an aligned decoder layer returns the fp32 sum
-  itself; the next layer (or the final norm) reads it, and stores ``sum.to(bf16)`` as its residual,
-  which is bitwise the residual stream HF would have stored. Qwen3's q/k norms follow the same rule,
-  and under the compiled engine their fp32 output flows straight into RoPE (one rounding after RoPE).
+- residual add + RMSNorm: every RMSNorm multiplies by its weight in fp32 and rounds once. Under the
+  compiled engine (measured by compiling vLLM's model piecewise, ``engine/compiled.py``) the sums of the
+  residual stream are never rounded inside a piece: the post-attention sum stays fp32 into the norm AND
+  into the MLP-side add, and the layer-input sum is rounded once only because it crosses the attention
+  call (it is the stored residual); the norms read the unrounded sums. Qwen3's q/k norm output stays fp32
+  into RoPE (one rounding after RoPE).
 
 Matmuls (q/k/v/o, gate/up/down, lm_head) and the attention kernel are untouched: the modules' own
 ``nn.Linear`` and ``ALL_ATTENTION_FUNCTIONS`` interface run exactly as in stock transformers.
 
-Mechanics: the ``forward`` of individual module *instances* (decoder layers, attention, MLP, RMSNorms)
-is replaced by an instance attribute; classes are never patched, so two models in one process
-keep their own numerics. ``apply_alignment(model, "baseline")`` deletes those attributes again.
+Mechanics: the *class* of individual module instances (decoder layers, attention, MLP, RMSNorms) is
+switched to a roundalign subclass defined in this module (same class name, so name-based machinery such as
+FSDP's ``transformer_layer_cls_to_wrap`` and ``_no_split_modules`` still finds them); the transformers
+classes are never modified, so two models in one process keep their own numerics, and
+``apply_alignment(model, "baseline")`` switches the instances back. Aligned models pickle
+(``torch.save(model)``) and load back where roundalign is importable; the alignment is recorded in
+``model.config.roundalign`` so ``save_pretrained`` keeps it (``roundalign.models.load_model`` re-applies it;
+a plain ``from_pretrained`` gives stock numerics and warns nothing: see README).
 
-Guarantees (each enforced by a test in ``tests/test_patch.py``):
+What a user sees keeps the model dtype: a decoder layer returns the bf16 residual stream (the stored
+sum, rounded once, as the engine stores it), so ``output_hidden_states`` and forward hooks see bf16. The
+fp32 low part of the sum (``sum - bf16(sum)``, exact in fp32) rides along as an attribute of that tensor and
+the next layer (or the final norm) re-forms the exact fp32 sum from the two. It is detached: gradients of
+the residual stream flow through the bf16 tensor, as in stock HF, and the forward is identical with and
+without gradient checkpointing (the layer's ``__call__`` hands the low part to ``forward`` as a keyword,
+which reentrant checkpointing replays unchanged). A forward hook that *replaces* a layer's output drops the
+low part: the next layer then reads the rounded stream (documented, not an error).
+
+Guarantees (each enforced by a test in ``tests/test_patch.py`` / ``tests/test_engine.py``):
 
 - baseline, or a model never aligned: outputs bitwise equal to stock transformers;
-- fp32 model: every variant is bitwise equal to stock transformers (the fused formulas keep HF's
-  operation order, so without bf16 rounding they compute the same bits);
-- with the variant ``full``, the trainer's forward equals the emulated engine bitwise when both use
-  the same GEMMs and eager attention (``tests/test_engine.py``);
+- fp32 model: every variant is bitwise equal to stock transformers;
+- with the variant ``full`` (and with each single-region variant against its per-region engine), the
+  trainer's forward equals the compiler-produced emulated engine bitwise when both use the same GEMMs,
+  eager attention and the same norm reduction (``tests/test_engine.py``);
 - autograd flows through every replaced forward (no ``torch.no_grad``, no in-place ops).
 
 The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinned);
@@ -40,7 +54,6 @@ The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinne
 from __future__ import annotations
 
 import sys
-import types
 
 import torch
 from torch import nn
@@ -70,123 +83,194 @@ def _is_qwen3(attn: nn.Module) -> bool:
     return hasattr(attn, "q_norm")
 
 
+LO_ATTR = "_roundalign_lo"  # on a layer's bf16 output: the fp32 low part of the unrounded residual sum
+FP32_ATTR = "_roundalign_fp32"  # on a q/k norm's bf16 output: its unrounded fp32 value (fused norm -> RoPE)
+
+
+def _kernels(module):
+    return regions.region_kernels(getattr(module, _KERNELS_ATTR))
+
+
+def _split_fp32(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 sum -> its bf16 rounding, carrying the (detached) low part so that ``_join`` re-forms ``s`` exactly
+    (``s - bf16(s)`` is exact in fp32 by Sterbenz's lemma, and so is the sum back)."""
+    out = s.to(dtype)
+    setattr(out, LO_ATTR, (s.detach() - out.detach().float()))
+    return out
+
+
+def _join(x: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
+    return x if lo is None else x.float() + lo
+
+
 # ----------------------------------------------------------------------------------------------
-# Replacement forwards. Each reads its RoundingPlan from the instance.
+# Aligned forwards (mixins). Each reads its RoundingPlan from the instance.
 
 
-def _rmsnorm_forward(self, hidden_states, residual=None):
-    """RMSNorm with one rounding. With ``residual``: add first, as the engine's fused add+norm does, and
-    return ``(normed, new_residual)``; the plan says whether the norm reads the fp32 or the rounded sum.
-    Reads an unrounded fp32 ``hidden_states`` when the previous aligned layer returned one."""
-    K = getattr(self, _KERNELS_ATTR)
-    if residual is None:
+class _AlignedRMSNorm:
+    def forward(self, hidden_states, residual=None):
+        """RMSNorm with one rounding. ``hidden_states`` may be an unrounded fp32 sum. With ``residual``
+        (eager engine): the bf16 add first, as ``fused_add_rms_norm`` does; returns ``(normed, new_residual)``.
+        A Qwen3 q/k norm feeding RoPE in one fused kernel returns bf16 but carries its fp32 value for RoPE."""
+        K = _kernels(self)
+        if residual is not None:
+            return K.add_rmsnorm_bf16_sum(hidden_states, residual, self.weight, self.variance_epsilon)
+        hidden_states = _join(hidden_states, getattr(hidden_states, LO_ATTR, None)
+                              if getattr(self, _PLAN_ATTR).residual == "fp32" else None)
+        if getattr(self, "_roundalign_keep_fp32", False):
+            y = K.rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon, keep_fp32=True)
+            out = y.to(self.weight.dtype)
+            setattr(out, FP32_ATTR, y)
+            return out
         return K.rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon)
-    if getattr(self, _PLAN_ATTR).residual == "fp32":
-        return K.add_rmsnorm_fp32_sum(hidden_states, residual, self.weight, self.variance_epsilon)
-    return K.add_rmsnorm_bf16_sum(hidden_states, residual, self.weight, self.variance_epsilon)
 
 
-def _rmsnorm_keep_fp32_forward(self, hidden_states):
-    """Qwen3 q/k norm inside a fused norm+RoPE kernel: the normalized value stays fp32 for RoPE."""
-    return getattr(self, _KERNELS_ATTR).rmsnorm_fused(hidden_states, self.weight, self.variance_epsilon,
-                                                      keep_fp32=True)
+class _AlignedDecoderLayer:
+    def __call__(self, *args, **kwargs):
+        # Hand the low part of the incoming sum to forward as a keyword: gradient checkpointing binds keywords
+        # into its replay, while a replayed positional input is a detached copy that lost its attributes.
+        if args and LO_ATTR in getattr(args[0], "__dict__", {}):
+            kwargs["_roundalign_lo"] = getattr(args[0], LO_ATTR)
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, _roundalign_lo=None, **kwargs):
+        """Qwen2/Qwen3 decoder layer with aligned add + RMSNorm (installed only when plan.norm == "fused").
+
+        ``hidden_states`` is the bf16 residual stream; under ``residual == "fp32"`` the previous layer's
+        unrounded sum is ``hidden_states + _roundalign_lo``. Norms are called as modules (not through their
+        weights) so that parameter-gathering hooks (DeepSpeed ZeRO-3) still fire."""
+        plan: RoundingPlan = getattr(self, _PLAN_ATTR)
+        dtype = self.input_layernorm.weight.dtype
+        fp32_stream = plan.residual == "fp32" and dtype != torch.float32
+        if _roundalign_lo is None:
+            _roundalign_lo = getattr(hidden_states, LO_ATTR, None)
+        residual = hidden_states  # the stored residual: the sum rounded once
+        hidden_states = self.input_layernorm(_join(hidden_states, _roundalign_lo if fp32_stream else None))
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if fp32_stream:
+            s = residual.float() + hidden_states.float()  # never rounded: feeds the norm and the next add
+            hidden_states = self.mlp(self.post_attention_layernorm(s))
+            return _split_fp32(s + hidden_states.float(), dtype)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
 
 
-def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                           use_cache=False, position_embeddings=None, **kwargs):
-    """Qwen2/Qwen3 decoder layer with aligned add + RMSNorm (installed only when plan.norm == "fused").
-
-    ``hidden_states`` is the bf16 residual stream, or under ``residual == "fp32"`` (every layer but the
-    first) the unrounded fp32 sum returned by the previous aligned layer. Norms are called as modules
-    (not through their weights) so that parameter-gathering hooks (DeepSpeed ZeRO-3) still fire."""
-    plan: RoundingPlan = getattr(self, _PLAN_ATTR)
-    dtype = self.input_layernorm.weight.dtype
-    residual = hidden_states.to(dtype)  # the residual stream HF stores: the sum rounded once
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-    hidden_states = self.mlp(hidden_states)
-    if plan.residual == "fp32" and dtype != torch.float32:
-        return residual.float() + hidden_states.float()  # unrounded: the next norm reads it
-    return residual + hidden_states
-
-
-def _mlp_forward(self, x):
-    return self.down_proj(getattr(self, _KERNELS_ATTR).swiglu_fused(self.gate_proj(x), self.up_proj(x)))
+class _AlignedMLP:
+    def forward(self, x):
+        return self.down_proj(_kernels(self).swiglu_fused(self.gate_proj(x), self.up_proj(x)))
 
 
 def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   plan: RoundingPlan, K) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: (B, T, H, D) straight from the projections -> (B, H, T, D) after [q/k norm and] RoPE.
     The q/k norm modules' own (possibly aligned) forwards decide their rounding; under the fused
-    norm->RoPE plan they return fp32, which ``rope_fused`` reads unrounded."""
+    norm->RoPE plan their fp32 value is what ``rope_fused`` reads."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     out = []
     for x, norm in ((q, getattr(attn, "q_norm", None)), (k, getattr(attn, "k_norm", None))):
         if norm is not None:
             x = norm(x)
+            x = getattr(x, FP32_ATTR, x)
         x = x.transpose(1, 2)
         out.append(K.rope_fused(x, cos, sin) if plan.rope == "fused" else regions.rope_hf(x, cos, sin))
     return out[0], out[1]
 
 
-def _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
-    """Stock Qwen2/Qwen3 attention forward with the q/k norm + RoPE step per the plan."""
-    plan: RoundingPlan = getattr(self, _PLAN_ATTR)
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
+class _AlignedAttention:
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        """Stock Qwen2/Qwen3 attention forward with the q/k norm + RoPE step per the plan."""
+        plan: RoundingPlan = getattr(self, _PLAN_ATTR)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
 
-    query_states = self.q_proj(hidden_states).view(hidden_shape)
-    key_states = self.k_proj(hidden_states).view(hidden_shape)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-    cos, sin = position_embeddings
-    query_states, key_states = _qk_norm_rope(self, query_states, key_states, cos, sin, plan,
-                                             getattr(self, _KERNELS_ATTR))
+        cos, sin = position_embeddings
+        query_states, key_states = _qk_norm_rope(self, query_states, key_states, cos, sin, plan, _kernels(self))
 
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-    hf_module = sys.modules[type(self).__module__]
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        hf_module = sys.modules[_STOCK[type(self)].__module__]
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                hf_module.eager_attention_forward)
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        sliding_window=self.sliding_window,
-        **kwargs,
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                    hf_module.eager_attention_forward)
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
 
 
 # ----------------------------------------------------------------------------------------------
+# The aligned classes: one subclass per transformers class, named like it, importable from this module
+# (so that pickling an aligned model stores a class it can find again).
+
+_ALIGNED: dict[type, type] = {}  # stock class -> aligned subclass
+_STOCK: dict[type, type] = {}  # aligned subclass -> stock class
 
 
-def _install(module: nn.Module, fn, plan: RoundingPlan, kernels) -> None:
-    module.forward = types.MethodType(fn, module)
+def _define_aligned_classes() -> None:
+    from transformers.models.qwen2 import modeling_qwen2 as q2
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    for mod, prefix in ((q2, "Qwen2"), (q3, "Qwen3")):
+        for suffix, mixin in (("RMSNorm", _AlignedRMSNorm), ("DecoderLayer", _AlignedDecoderLayer),
+                              ("MLP", _AlignedMLP), ("Attention", _AlignedAttention)):
+            stock = getattr(mod, prefix + suffix)
+            name = prefix + suffix
+            cls = type(name, (mixin, stock), {"__module__": __name__, "__qualname__": name,
+                                              "__doc__": f"{name} with roundalign's aligned forward (per instance)."})
+            globals()[name] = cls
+            _ALIGNED[stock], _STOCK[cls] = cls, stock
+
+
+_define_aligned_classes()
+
+
+def _stock_class(module: nn.Module) -> type:
+    cls = type(module)
+    if cls in _STOCK:
+        return _STOCK[cls]
+    if cls in _ALIGNED:
+        return cls
+    raise TypeError(f"cannot align a {cls.__module__}.{cls.__name__} instance: apply_alignment expects transformers' "
+                    f"Qwen2/Qwen3 modules (apply it before wrapping the model with FSDP or other module wrappers)")
+
+
+def _install(module: nn.Module, plan: RoundingPlan, kernels: str, **extra) -> None:
+    module.__class__ = _ALIGNED[_stock_class(module)]
     setattr(module, _PLAN_ATTR, plan)
     setattr(module, _KERNELS_ATTR, kernels)
+    for k, v in extra.items():
+        setattr(module, k, v)
 
 
 def _uninstall(module: nn.Module) -> None:
-    for attr in ("forward", _PLAN_ATTR, _KERNELS_ATTR):
+    module.__class__ = _stock_class(module)
+    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32"):
         module.__dict__.pop(attr, None)
 
 
@@ -200,24 +284,25 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             bitwise no-op.
         variant: ``baseline`` (stock HF numerics), ``rope``, ``swiglu``, ``norm`` (residual add feeding
             RMSNorm and every other RMSNorm) or ``full`` (every region where the engine differs).
-        engine: ``vllm-compiled`` (vLLM's default: Inductor-fused native formulas) or ``vllm-eager``
+        engine: ``vllm-compiled`` (vLLM's default: Inductor-compiled native formulas) or ``vllm-eager``
             (``enforce_eager=True``: vLLM's CUDA custom ops).
         kernels: how the fp32 regions run: ``eager`` (separate torch ops; the exact reference, bitwise
             equal to the emulated engine) or ``compiled`` (``torch.compile``: one fused kernel per region,
-            cheaper, as vLLM's compiled engine runs them; Inductor may order the RMSNorm reduction
-            differently, ~1e-5 of elements 1 ulp apart). Compilation happens on the first forward.
+            cheaper; Inductor may order the RMSNorm reduction differently, ~1e-5 of elements 1 ulp apart,
+            so it is not a bitwise no-op in fp32 either). Compilation happens on the first forward.
 
     Re-applying replaces the previous alignment (applying the same variant twice is the same as
-    once). Only this instance changes; the transformers classes are not touched.
+    once). Only this instance changes; the transformers classes are not touched. The alignment is
+    recorded in ``model.config.roundalign`` (removed again by ``baseline``).
     """
     check_variant(variant)
     check_engine(engine)
+    regions.region_kernels(kernels)  # validates the mode
     trunk = decoder_trunk(model)
     act = getattr(trunk.config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act={act!r}")
     plan = plan_for(engine, variant)
-    K = regions.region_kernels(kernels)
 
     for layer in trunk.layers:
         attn = layer.self_attn
@@ -226,19 +311,24 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
         for m in (layer, attn, layer.mlp, *norms, *qk_norms):
             _uninstall(m)
         if plan.norm == "fused":
-            _install(layer, _decoder_layer_forward, plan, K)
+            _install(layer, plan, kernels)
             for m in norms:
-                _install(m, _rmsnorm_forward, plan, K)
+                _install(m, plan, kernels)
             for m in qk_norms:
-                _install(m, _rmsnorm_keep_fp32_forward if plan.qk_norm_rope == "fused" else _rmsnorm_forward, plan, K)
+                _install(m, plan, kernels, _roundalign_keep_fp32=plan.qk_norm_rope == "fused")
         if plan.rope == "fused":
-            _install(attn, _attention_forward, plan, K)
+            _install(attn, plan, kernels)
         if plan.swiglu == "fused":
-            _install(layer.mlp, _mlp_forward, plan, K)
+            _install(layer.mlp, plan, kernels)
     _uninstall(trunk.norm)
     if plan.norm == "fused":
-        _install(trunk.norm, _rmsnorm_forward, plan, K)
+        _install(trunk.norm, plan, kernels)
     setattr(model, _STATE_ATTR, (variant, engine, kernels))
+    for cfg in {id(model.config): model.config, id(trunk.config): trunk.config}.values():
+        if variant == "baseline":
+            cfg.__dict__.pop("roundalign", None)
+        else:
+            cfg.roundalign = {"variant": variant, "engine": engine, "kernels": kernels}
     return model
 
 
@@ -246,3 +336,11 @@ def alignment_of(model: nn.Module) -> tuple[str, str, str]:
     """``(variant, engine, kernels)`` last applied to ``model``; ``("baseline", "vllm-compiled", "eager")`` if
     never aligned."""
     return getattr(model, _STATE_ATTR, ("baseline", "vllm-compiled", "eager"))
+
+
+def recorded_alignment(config) -> tuple[str, str, str] | None:
+    """The alignment a saved config records (``config.roundalign``), or None."""
+    rec = getattr(config, "roundalign", None)
+    if not rec:
+        return None
+    return rec["variant"], rec["engine"], rec.get("kernels", "eager")

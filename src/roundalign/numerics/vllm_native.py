@@ -1,33 +1,59 @@
-"""vLLM's ``forward_native`` formulas, copied as written (vLLM is not a CPU dependency of this project).
+"""vLLM 0.31.0's native formulas, copied as written (vLLM is not a CPU dependency of this project).
 
-These are the reference the ``vllm-compiled`` rounding style is checked against: compiled with
-``torch.compile`` (Inductor, as vLLM's default V1 path compiles them) they must equal
-``roundalign.numerics.regions``' fused formulas (``tests/test_inductor.py`` on CPU,
-``scripts/gpu_check.py`` with Triton on a GPU). Sources: vllm/model_executor/layers/layernorm.py
-(``RMSNorm.forward_static``), activation.py (``SiluAndMul.forward_native``), rotary_embedding
-(``_apply_rotary_emb_torch``, ``RotaryEmbedding.forward_native``, ``_compute_cos_sin_cache``) and
-models/qwen3.py (``Qwen3Attention.forward``'s q/k norm before RoPE).
+These are what vLLM's default compiled path (-O2, ``CompilationMode.VLLM_COMPILE``, Inductor) runs: under
+Inductor ``custom_ops`` is "none" and the RMSNorm IR ops lower to their ``native`` implementation
+(``ir_op_priority``), so these Python formulas are traced into vLLM's FX graph, split into pieces at each
+attention call and compiled piece by piece. ``roundalign.engine.compiled`` builds the emulated
+``vllm-compiled`` engine from them the same way; ``tests/test_inductor.py`` and ``scripts/gpu_check.py``
+compare them compiled against the trainer's regions.
+
+Sources (vllm-0.31.0 wheel):
+- ``vllm/ir/ops/layernorm.py``: ``rms_norm``, ``fused_add_rms_norm`` (the ``native`` implementations that
+  ``vllm/compilation/passes/ir/lowering_pass.py`` inlines into the graph);
+- ``vllm/model_executor/layers/activation.py``: ``SiluAndMul.forward_native``;
+- ``vllm/model_executor/layers/rotary_embedding/base.py``: ``RotaryEmbedding.forward_static``,
+  ``_compute_cos_sin_cache`` (then ``.to(dtype)``: the cache is kept in the model dtype);
+  ``.../rotary_embedding/common.py``: ``ApplyRotaryEmb.forward_static`` (``enable_fp32_compute=False``);
+- ``vllm/model_executor/models/qwen3.py``: ``Qwen3Attention.forward`` (per-head q/k norm before RoPE).
+
+The only liberty taken: the RMSNorm mean of squares is written ``mean_sq(x_var)``, by default exactly
+vLLM's ``x_var.pow(2).mean(dim=-1, keepdim=True)``; the emulated engine may pass an opaque op there that
+runs the trainer's own eager reduction, so that the reduction order is not a difference between the two.
 """
 
 import torch
 import torch.nn.functional as F
 
 
-def vllm_rms_norm(x, weight, eps, residual=None):
-    """``RMSNorm.forward_static`` (no variance_size_override)."""
+def native_mean_sq(x_var):
+    return x_var.pow(2).mean(dim=-1, keepdim=True)
+
+
+def vllm_rms_norm(x, weight, epsilon, variance_size=None, mean_sq=native_mean_sq):
+    """``vllm.ir.ops.rms_norm`` (native)."""
     orig_dtype = x.dtype
     x = x.to(torch.float32)
-    if residual is not None:
-        x = x + residual
-        residual = x.to(orig_dtype)
-    variance = x.pow(2).mean(dim=-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    x = x.to(orig_dtype)
+    x_var = x if variance_size is None else x[..., :variance_size]
+    variance = mean_sq(x_var)
+    x = x * torch.rsqrt(variance + epsilon)
     if weight is not None:
-        x = x * weight
-    if residual is None:
-        return x
-    return x, residual
+        x = x.to(weight.dtype) * weight
+    return x.to(orig_dtype)
+
+
+def vllm_fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None, mean_sq=native_mean_sq):
+    """``vllm.ir.ops.fused_add_rms_norm`` (native): returns ``(normed, x_residual)``."""
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x + x_residual.to(torch.float32)
+    x_residual = x.to(orig_dtype)
+
+    x_var = x if variance_size is None else x[..., :variance_size]
+    variance = mean_sq(x_var)
+    x = x * torch.rsqrt(variance + epsilon)
+    if weight is not None:
+        x = x.to(weight.dtype) * weight
+    return x.to(orig_dtype), x_residual
 
 
 def vllm_silu_and_mul(x):
@@ -37,7 +63,8 @@ def vllm_silu_and_mul(x):
 
 
 def vllm_apply_rotary_emb_torch(x, cos, sin, is_neox_style=True):
-    """``_apply_rotary_emb_torch``: x (T, H, rot_dim), cos/sin (T, rot_dim // 2)."""
+    """``ApplyRotaryEmb.forward_static`` with ``enable_fp32_compute=False``: x (T, H, rot_dim), cos/sin
+    (T, rot_dim // 2)."""
     cos = cos.unsqueeze(-2).to(x.dtype)
     sin = sin.unsqueeze(-2).to(x.dtype)
     if is_neox_style:
@@ -53,7 +80,7 @@ def vllm_apply_rotary_emb_torch(x, cos, sin, is_neox_style=True):
 
 
 def vllm_rope_forward_native(positions, query, key, head_size, cos_sin_cache, is_neox_style=True):
-    """``RotaryEmbedding.forward_native`` with rotary_dim == head_size."""
+    """``RotaryEmbedding.forward_static`` with rotary_dim == head_size."""
     positions = positions.flatten()
     num_tokens = positions.shape[0]
     cos_sin = cos_sin_cache.index_select(0, positions)
@@ -77,12 +104,18 @@ def vllm_cos_sin_cache(head_size, max_pos, base, dtype, device=None):
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
-def vllm_qwen3_qk_norm_rope(positions, q, k, q_weight, k_weight, cos_sin_cache, head_dim, eps=1e-6):
-    """Qwen3Attention.forward between the qkv split and attention: per-head q/k RMSNorm, then RoPE."""
+def vllm_qwen3_qk_norm(q, k, q_weight, k_weight, head_dim, eps=1e-6, mean_sq=native_mean_sq):
+    """``Qwen3Attention.forward`` between the qkv split and RoPE: per-head q/k RMSNorm."""
     q_by_head = q.view(*q.shape[:-1], q.shape[-1] // head_dim, head_dim)
-    q_by_head = vllm_rms_norm(q_by_head, q_weight, eps)
+    q_by_head = vllm_rms_norm(q_by_head, q_weight, eps, mean_sq=mean_sq)
     q = q_by_head.view(q.shape)
     k_by_head = k.view(*k.shape[:-1], k.shape[-1] // head_dim, head_dim)
-    k_by_head = vllm_rms_norm(k_by_head, k_weight, eps)
+    k_by_head = vllm_rms_norm(k_by_head, k_weight, eps, mean_sq=mean_sq)
     k = k_by_head.view(k.shape)
+    return q, k
+
+
+def vllm_qwen3_qk_norm_rope(positions, q, k, q_weight, k_weight, cos_sin_cache, head_dim, eps=1e-6):
+    """Qwen3Attention.forward between the qkv split and attention: per-head q/k RMSNorm, then RoPE."""
+    q, k = vllm_qwen3_qk_norm(q, k, q_weight, k_weight, head_dim, eps)
     return vllm_rope_forward_native(positions, q, k, head_dim, cos_sin_cache)
