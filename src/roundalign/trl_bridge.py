@@ -129,25 +129,9 @@ class RoundalignGRPOTrainer(GRPOTrainer):
             train_logp, entropy, _ = self._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, completion_ids.size(1),
                 batch_size=self.args.per_device_train_batch_size, compute_entropy=True)
-        mask = output["completion_mask"].bool()
-        engine_logp = output["sampling_per_token_logps"]
-        # vLLM returns None for a token it cannot score; TRL makes it NaN and leaves it out (its IS ratio is 1,
-        # its logp difference is not counted): do the same, or k3 would be NaN and the run marked collapsed.
-        # A NaN on the trainer's side stays in and is a collapse.
-        mask = mask & ~torch.isnan(engine_logp)
-        # Every rank holds its own completions: gather them (padded to the longest) so every rank computes the
-        # metrics of the whole step, the same numbers a single process would compute over all completions.
-        train_logp, engine_logp, mask, entropy = D.gather_padded(
-            [train_logp.float(), engine_logp.float(), mask, entropy.float()], pad_values=[0.0, 0.0, False, 0.0])
-        result = mismatch_metrics_or_empty(train_logp, engine_logp, mask, entropy)
-        for level, values in result.items():
-            for name, value in values.items():
-                key = f"mismatch/{'seq' if level == 'sequence' else level}/{name.removeprefix('mismatch_')}"
-                self._metrics[mode][key].append(float(value))
-        if self.mismatch_is is not None and mask.any():
-            mode_is, cap, clip_min = self.mismatch_is
-            for key, value in _is_stats(train_logp - engine_logp, mask, mode_is, cap, clip_min).items():
-                self._metrics[mode][key].append(value)
+        for key, value in step_mismatch_metrics(train_logp, output["sampling_per_token_logps"],
+                                                output["completion_mask"], entropy, self.mismatch_is).items():
+            self._metrics[mode][key].append(value)
 
     # -- positions ------------------------------------------------------------------------------------
 
@@ -228,11 +212,28 @@ def _positions_from_mask(module, args, kwargs):
     return args, kwargs
 
 
-def mismatch_metrics_or_empty(train_logp, engine_logp, mask, entropy):
-    """``metrics.mismatch_metrics``, or NaN-free nothing when no token is left (every engine logp was NaN)."""
+def step_mismatch_metrics(train_logp, engine_logp, completion_mask, entropy, mismatch_is=None) -> dict[str, float]:
+    """The logged mismatch metrics of one generation batch (a collective under several processes).
+
+    vLLM returns None for a token it cannot score; TRL makes it NaN and leaves it out (IS ratio 1, logp
+    difference not counted): we mask it too, or k3 would be NaN and the run marked collapsed. A NaN on the
+    trainer's side stays in and is a collapse. Every rank holds its own completions: they are gathered (padded
+    to the longest), so every rank computes the metrics of the whole step, the numbers a single process would
+    compute over all completions."""
+    mask = completion_mask.bool() & ~torch.isnan(engine_logp)
+    train_logp, engine_logp, mask, entropy = D.gather_padded(
+        [train_logp.float(), engine_logp.float(), mask, entropy.float()], pad_values=[0.0, 0.0, False, 0.0])
+    out: dict[str, float] = {}
     if not mask.any():
-        return {}
-    return M.mismatch_metrics(train_logp, engine_logp, mask, entropy=entropy)
+        return out  # every engine logprob unavailable: nothing to report this step
+    result = M.mismatch_metrics(train_logp, engine_logp, mask, entropy=entropy)
+    for level, values in result.items():
+        for name, value in values.items():
+            out[f"mismatch/{'seq' if level == 'sequence' else level}/{name.removeprefix('mismatch_')}"] = float(value)
+    if mismatch_is is not None:
+        mode_is, cap, clip_min = mismatch_is
+        out.update(_is_stats(train_logp - engine_logp, mask, mode_is, cap, clip_min))
+    return out
 
 
 @contextlib.contextmanager
