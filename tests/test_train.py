@@ -359,3 +359,29 @@ def test_variable_length_prompts_stay_on_policy_with_positions_from_the_mask(sft
         assert all(r > 1000 for r in ratios), ratios
     else:
         assert not all(r > 1000 for r in ratios), ratios
+
+
+# Top-level and zero_optimization keys of DeepSpeed 0.18.9 (deepspeed/runtime/constants.py, zero/config.py)
+DS_TOP_KEYS = {"bf16", "fp16", "communication_data_type", "zero_optimization", "zero_allow_untested_optimizer",
+               "gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
+               "train_batch_size"}
+DS_ZERO_KEYS = {"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save"}
+
+
+@pytest.mark.parametrize("variant,bf16,fp16", [("full", True, False), ("fp16", False, True)])
+def test_zero3_computes_in_16_bit_with_fp32_masters(tmp_path, variant, bf16, fp16):
+    # DeepSpeed is not installed on CPU: check the config against its key names and that our GRPO arguments
+    # fill its "auto" precision keys (16-bit model, so ZeRO-3 keeps fp32 master partitions)
+    from roundalign.train import build_grpo_args
+
+    ds = json.loads((Path(__file__).parents[1] / "configs/accelerate/zero3.json").read_text())
+    assert set(ds) <= DS_TOP_KEYS and set(ds["zero_optimization"]) <= DS_ZERO_KEYS
+    assert ds["zero_optimization"]["stage"] == 3 and ds["communication_data_type"] == "fp32"
+    assert ds["bf16"]["enabled"] == ds["fp16"]["enabled"] == "auto" and ds["fp16"]["loss_scale"] == 0
+    args = build_grpo_args(build_config(overrides={"model": "m", "variant": variant, **FAST}), tmp_path,
+                           deepspeed=True)
+    assert (args.bf16, args.fp16) == (bf16, fp16)
+    single = build_grpo_args(build_config(overrides={"model": "m", "variant": variant, **FAST}), tmp_path,
+                             deepspeed=False)
+    assert (single.bf16, single.fp16) == (False, False)  # one process: no autocast, roundalign.optim's masters
