@@ -258,3 +258,130 @@ def test_reference_model_rounds_like_the_policy(sft_model, tmp_path):
     res = run_train(cfg(sft_model, steps=2, beta=0.04), tmp_path / "kl", **QUIET)
     kl = [r["policy/kl"] for r in metrics(tmp_path / "kl")]
     assert res.status == "done" and kl[0] == 0.0 and kl[1] > 0.0
+
+
+class MasterWatch(TrainerCallback):
+    """Records, around every optimizer step, the fp32 masters, which of their entries got a gradient, and
+    whether the model holds exactly the masters rounded to its dtype."""
+
+    def __init__(self):
+        self.initial, self.received, self.model_is_rounded_master, self.after_step = None, None, [], []
+
+    def on_train_begin(self, args, state, control, optimizer=None, model=None, **kw):
+        opt = optimizer.optimizer
+        self.opt = opt
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        self.names = [by_id[id(p)] for p, _ in opt.pairs]
+        self.initial = [m.detach().clone() for _, m in opt.pairs]
+        self.received = [torch.zeros_like(m) for m in self.initial]  # largest |gradient| seen per entry
+        self.after_step.append([m.detach().clone() for _, m in opt.pairs])  # what the engine gets at step 1
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        for r, (_, m) in zip(self.received, self.opt.pairs):
+            if m.grad is not None:
+                torch.maximum(r, m.grad.abs(), out=r)
+
+    def on_step_end(self, args, state, control, **kw):
+        self.model_is_rounded_master.append(all(torch.equal(p, m.to(p.dtype)) for p, m in self.opt.pairs))
+        self.after_step.append([m.detach().clone() for _, m in self.opt.pairs])
+
+
+def test_fp32_master_weights_train_at_a_paper_learning_rate(sft_model, tmp_path, monkeypatch):
+    # bf16 compute, fp32 master: at lr 1e-6 stepping bf16 weights loses almost every update (an update
+    # below half a bf16 ulp rounds away); the fp32 masters keep them, and the model/engine hold the masters
+    # rounded to bf16 after every step.
+    from transformers import AutoModelForCausalLM
+
+    from roundalign.trl_bridge import EngineSync
+
+    synced = []
+    original = EngineSync.sync_weights
+
+    def recording_sync(self):
+        original(self)
+        layer = self.engine.model.layers[0]
+        synced.append((self.engine.model.embed.clone(), layer.w_gate.clone(), layer.ln1.clone()))
+
+    monkeypatch.setattr(EngineSync, "sync_weights", recording_sync)
+    watch = MasterWatch()
+    res = run_train(cfg(sft_model, steps=10, learning_rate=1e-6), tmp_path / "r", callbacks=[watch], **QUIET)
+    assert res.status == "done" and len(synced) == 10
+    assert all(watch.model_is_rounded_master)
+    names = watch.names
+    assert all(p.dtype == torch.bfloat16 for p, _ in watch.opt.pairs)
+    assert all(m.dtype == torch.float32 for _, m in watch.opt.pairs)
+    # the engine's weights at the start of step k+1 are the masters after step k, rounded to bf16
+    idx = {n: i for i, n in enumerate(names)}
+    for k, (embed, gate, ln1) in enumerate(synced):
+        masters = watch.after_step[k]
+        assert torch.equal(embed, masters[idx["model.embed_tokens.weight"]].bfloat16())
+        assert torch.equal(gate, masters[idx["model.layers.0.mlp.gate_proj.weight"]].bfloat16())
+        assert torch.equal(ln1, masters[idx["model.layers.0.input_layernorm.weight"]].bfloat16())
+    # an entry "received a gradient" when its gradient exceeded Adam's epsilon (1e-8) at some step: below
+    # it Adam's update is a fraction lr * |g| / eps of lr, under one fp32 ulp whatever the precision
+    got = sum(int((r > 1e-8).sum()) for r in watch.received)
+    changed = sum(int(((m != m0) & (r > 1e-8)).sum())
+                  for m, m0, r in zip(watch.after_step[-1], watch.initial, watch.received))
+    any_grad = sum(int((r > 0).sum()) for r in watch.received)
+    bf16_changed = sum(int(((m.bfloat16() != m0.bfloat16()) & (r > 1e-8)).sum())
+                       for m, m0, r in zip(watch.after_step[-1], watch.initial, watch.received))
+    print(f"master entries changed: {changed}/{got} (|g|>1e-8), any grad {any_grad}; bf16-visible {bf16_changed}")
+    assert got > 0 and changed / got >= 0.99, (changed, got)
+    # norm weights near 1.0 move too (in bf16 they never would at this rate)
+    i = idx["model.layers.0.input_layernorm.weight"]
+    assert bool((watch.after_step[-1][i] != watch.initial[i]).any())
+    # the final policy: HF format, fp32, equal to the masters
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "r/final")
+    sd = final.state_dict()
+    assert final.dtype == torch.float32
+    for n, m in zip(names, watch.after_step[-1]):
+        assert torch.equal(sd[n], m), n
+
+
+
+@pytest.mark.parametrize("position_fix", [True, False])
+def test_variable_length_prompts_stay_on_policy_with_positions_from_the_mask(sft_model, tmp_path, monkeypatch,
+                                                                             position_fix):
+    # TRL left-pads prompts of different token lengths; the engine (like vLLM) runs each from position 0.
+    # With positions from the attention mask `full` stays bitwise-logit-equal to the engine; with transformers'
+    # default arange positions the padded sequences sit at shifted RoPE positions and `full` drifts off policy.
+    from roundalign.trl_bridge import RoundalignGRPOTrainer
+
+    monkeypatch.setattr(RoundalignGRPOTrainer, "_position_fix", position_fix)
+    kw = dict(steps=3, prompt_style="variable")
+    full = run_train(cfg(sft_model, variant="full", **kw), tmp_path / "full", **QUIET)
+    base = run_train(cfg(sft_model, variant="baseline", **kw), tmp_path / "base", **QUIET)
+    assert full.status == base.status == "done"
+    ratios = [b["mismatch/token/k3"] / max(f["mismatch/token/k3"], 1e-300)
+              for f, b in zip(metrics(tmp_path / "full"), metrics(tmp_path / "base"))]
+    print(f"position_fix={position_fix}: baseline/full k3 ratio per step {ratios}")
+    if position_fix:
+        assert all(r > 1000 for r in ratios), ratios
+    else:
+        assert not all(r > 1000 for r in ratios), ratios
+
+
+# Top-level and zero_optimization keys of DeepSpeed 0.18.9 (deepspeed/runtime/constants.py, zero/config.py)
+DS_TOP_KEYS = {"bf16", "fp16", "communication_data_type", "zero_optimization", "zero_allow_untested_optimizer",
+               "gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
+               "train_batch_size"}
+DS_ZERO_KEYS = {"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save"}
+
+
+@pytest.mark.parametrize("variant,bf16,fp16", [("full", True, False), ("fp16", False, True)])
+def test_zero3_computes_in_16_bit_with_fp32_masters(tmp_path, variant, bf16, fp16):
+    # DeepSpeed is not installed on CPU: check the config against its key names and that our GRPO arguments
+    # fill its "auto" precision keys (16-bit model, so ZeRO-3 keeps fp32 master partitions)
+    from roundalign.train import build_grpo_args
+
+    ds = json.loads((Path(__file__).parents[1] / "configs/accelerate/zero3.json").read_text())
+    assert set(ds) <= DS_TOP_KEYS and set(ds["zero_optimization"]) <= DS_ZERO_KEYS
+    assert ds["zero_optimization"]["stage"] == 3 and ds["communication_data_type"] == "fp32"
+    assert ds["bf16"]["enabled"] == ds["fp16"]["enabled"] == "auto" and ds["fp16"]["loss_scale"] == 0
+    args = build_grpo_args(build_config(overrides={"model": "m", "variant": variant, **FAST}), tmp_path,
+                           deepspeed=True)
+    assert (args.bf16, args.fp16) == (bf16, fp16)
+    single = build_grpo_args(build_config(overrides={"model": "m", "variant": variant, **FAST}), tmp_path,
+                             deepspeed=False)
+    assert (single.bf16, single.fp16) == (False, False)  # one process: no autocast, roundalign.optim's masters

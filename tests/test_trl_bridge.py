@@ -74,3 +74,21 @@ def test_is_stats_matches_trl_bounds():
     assert _is_stats(delta, mask, "sequence_mask", 3.0, 1 / 3) == {"is/masked_frac": 0.0}
     # sequence_mask with cap 1.5: sequence 0 (ratio 2) is masked
     assert _is_stats(delta, mask, "sequence_mask", 1.5, 1 / 1.5) == {"is/masked_frac": 0.5}
+
+
+def test_logprob_helper_scores_without_position_ids_through_a_module_call():
+    # our pre-hook supplies position_ids; it fires only because TRL calls the model module (not .forward)
+    body = src(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "outputs = model(**model_inputs, labels=labels, fused_lm_head=True)" in body
+    assert '["position_ids"]' not in body and " position_ids=" not in body  # (image_position_ids is VLM-only)
+
+
+def test_trainer_hooks_used_by_fp32_master_weights():
+    from transformers import Trainer
+
+    loop = src(Trainer._run_epoch)
+    assert "grad_norm = self._clip_grad_norm(model)" in loop and "self.optimizer.step()" in loop
+    assert "self.create_optimizer()" in src(Trainer._prepare_for_training)
+    assert "return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)" in src(
+        Trainer._clip_grad_norm)
+    assert "return self._compute_loss(model, inputs)" in src(GRPOTrainer.compute_loss)

@@ -23,6 +23,7 @@ TRAIN_VARIANTS = ("baseline", "rope", "swiglu", "norm", "full", "tis", "mis", "f
 VLLM_MODES = ("colocate", "server")
 KERNEL_MODES = ("eager", "compiled")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+PROMPT_STYLES = ("fixed", "variable")
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,9 @@ class TrainConfig:
         math_split: Dataset split for task=math.
         num_train_prompts: Number of distinct prompts in the training set (arith), or a cap (math).
         arith_max_operand: Largest operand of arith problems.
+        prompt_style: arith prompts: "fixed" (zero-padded operands, every prompt the same token length) or
+            "variable" (plain operands and three phrasings: prompts of different token lengths, left-padded
+            by TRL like MATH prompts).
         steps: Optimizer steps (GRPO iterations).
         learning_rate: Peak learning rate (constant after warm-up).
         warmup_steps: Linear warm-up steps.
@@ -100,6 +104,7 @@ class TrainConfig:
     math_split: str = "train"
     num_train_prompts: int = 512
     arith_max_operand: int = 49
+    prompt_style: str = "fixed"
     steps: int = 20
     learning_rate: float = 1e-4
     warmup_steps: int = 0
@@ -134,7 +139,8 @@ class TrainConfig:
     def __post_init__(self):
         choices = {"variant": TRAIN_VARIANTS, "backend": BACKENDS, "engine": ENGINES, "attn": ATTN_IMPLS,
                    "engine_gemm": ENGINE_GEMMS, "kernels": KERNEL_MODES, "task": TASKS, "vllm_mode": VLLM_MODES,
-                   "dtype": ("bf16", "fp16"), "loss_type": LOSS_TYPES}
+                   "dtype": ("bf16", "fp16"), "loss_type": LOSS_TYPES,
+                   "prompt_style": PROMPT_STYLES}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}")

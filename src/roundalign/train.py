@@ -102,7 +102,13 @@ def truncate_metrics(path: Path, last_step: int) -> int:
 
 def export_run(run_dir: str | Path, dest: str | Path) -> None:
     """Copy a finished run's metrics.jsonl and run.json into ``dest`` (each atomically; run.json last, so a
-    present run.json means a complete export)."""
+    present run.json means a complete export). Under ``accelerate launch`` every rank calls it: all wait until
+    every rank is done (so rank 0's files are final), then rank 0 alone writes."""
+    from . import distributed as D
+
+    D.barrier()
+    if not D.is_main():
+        return
     run_dir, dest = Path(run_dir), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "run.json"):
@@ -202,9 +208,14 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
             files.record["last_step"] = st.global_step
             bad = [k for k in ("optim/loss", "optim/grad_norm", "mismatch/token/k3") if k in rec
                    and not _finite(rec[k])]
-            if bad:
+            if "optim/grad_norm" in bad and rec.get("optim/overflow_skipped") and rec.get("optim/loss_scale", 0) > 1:
+                bad.remove("optim/grad_norm")  # fp16: the step was skipped and the loss scale halved
+            from . import distributed as D
+
+            if D.any_rank(bool(bad)):  # decided on a global flag, so every rank stops at the same step
+                bad = bad or ["on another rank"]
                 state["collapse"] = {"step": st.global_step, "reason": "non-finite " + ", ".join(
-                    f"{k}={rec[k]}" for k in bad)}
+                    f"{k}={rec[k]}" if k in rec else k for k in bad)}
                 control.should_training_stop = True
             self._reward_collapse(st.global_step, rec.get("reward/mean"))
             k3 = rec.get("mismatch/token/k3")
@@ -245,8 +256,11 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
     return RunCallback()
 
 
-def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1):
+def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deepspeed: bool | None = None):
     from trl import GRPOConfig
+
+    if deepspeed is None:
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
     kwargs = dict(
         output_dir=str(ckpt_dir), seed=cfg.seed, max_steps=cfg.steps,
@@ -257,9 +271,12 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1):
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
         temperature=cfg.temperature, top_k=0, top_p=1.0,  # the sampler must match the trainer's plain softmax
         beta=cfg.beta, epsilon=cfg.epsilon, loss_type=cfg.loss_type,
-        # The policy holds bf16 (or fp16) weights itself: no autocast, no fp32 master copy. Under autocast
-        # the trainer would round differently from the engine in places this study does not control.
-        bf16=False, fp16=False,
+        # The policy holds bf16 (or fp16) weights itself and runs without autocast: under autocast the trainer
+        # would round differently from the engine in places this study does not control. fp32 master weights:
+        # on one process and under DDP roundalign.optim (wired in trl_bridge); under DeepSpeed, its bf16/fp16
+        # mode (these flags fill the "auto" precision keys of configs/accelerate/zero3.json; accelerate does
+        # not autocast under DeepSpeed).
+        bf16=deepspeed and cfg.dtype == "bf16", fp16=deepspeed and cfg.dtype == "fp16",
         gradient_checkpointing=cfg.gradient_checkpointing,
         logging_steps=1, save_strategy="steps", save_steps=cfg.checkpoint_every,
         save_total_limit=cfg.keep_checkpoints, report_to=list(cfg.report_to) or "none",
@@ -282,7 +299,8 @@ def _dataset(cfg: TrainConfig, tokenizer):
     if cfg.task == "arith":
         from .tasks.arith import arith_dataset, arith_reward
 
-        return arith_dataset(cfg.num_train_prompts, seed=cfg.seed, max_operand=cfg.arith_max_operand), arith_reward
+        return arith_dataset(cfg.num_train_prompts, seed=cfg.seed, max_operand=cfg.arith_max_operand,
+                             style=cfg.prompt_style), arith_reward
     from .tasks.math import load_math_dataset, math_reward
 
     ds = load_math_dataset(cfg.math_dataset, split=cfg.math_split, limit=cfg.num_train_prompts)
@@ -304,9 +322,19 @@ def make_rollout(engine, tokenizer, cfg: TrainConfig):
         ids = [encode(p) for p in prompts]
         # seeds are a function of (seed, step, index): resumed runs sample exactly what they would have
         base = (trainer.state.global_step * 1_000_003 + trainer.accelerator.process_index) * len(ids)
-        samples = engine.generate(ids, max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                  seed=cfg.seed, eos_token_id=tokenizer.eos_token_id,
-                                  sample_indices=[base + i for i in range(len(ids))])
+        from . import distributed as D
+        from .engine import NonFiniteLogitsError
+
+        error = None
+        try:
+            samples = engine.generate(ids, max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                      seed=cfg.seed, eos_token_id=tokenizer.eos_token_id,
+                                      sample_indices=[base + i for i in range(len(ids))])
+        except NonFiniteLogitsError as exc:
+            error = exc
+        # every rank decides together, or the healthy ones would wait forever in the next collective
+        if D.any_rank(error is not None):
+            raise error or NonFiniteLogitsError("engine logits contain NaN/inf on another rank")
         return {"prompt_ids": [s.prompt_ids for s in samples], "completion_ids": [s.completion_ids for s in samples],
                 "logprobs": [s.logprobs.tolist() for s in samples]}
 
@@ -348,6 +376,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
         except NonFiniteLogitsError as exc:
             state["collapse"] = {"step": trainer.state.global_step + 1, "reason": str(exc)}
         status = "collapsed" if state["collapse"] else "preempted" if state["sigterm"] else "done"
+        if status == "done":
+            save_final_policy(trainer, out_dir / "final")
         files.record["last_step"] = trainer.state.global_step
         files.record["collapse"] = state["collapse"]
         code = cfg.collapse_exit_code if status == "collapsed" else EXIT_PREEMPTED if status == "preempted" else 0
@@ -365,6 +395,29 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     log(f"[train] {out_dir}: {status} at step {files.record['last_step']}"
         + (f" ({state['collapse']['reason']})" if state["collapse"] else ""))
     return TrainResult(status, files.record["last_step"], code, out_dir)
+
+
+def save_final_policy(trainer, dest: Path) -> None:
+    """The trained policy in HF format at master precision (fp32), loadable with ``from_pretrained``; written by
+    rank 0 into a temporary directory renamed into place (a present ``final/`` is complete)."""
+    import shutil
+
+    from . import distributed as D
+    from .trl_bridge import master_state_dict
+
+    state = master_state_dict(trainer)  # a collective under DeepSpeed: every rank calls it
+    if D.is_main():
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state)
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = "float32"  # save_pretrained writes the (bf16) model's dtype; the weights are fp32
+        atomic_write_json(tmp / "config.json", config)
+        trainer.processing_class.save_pretrained(tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    D.barrier()
 
 
 def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: dict, callbacks, log):

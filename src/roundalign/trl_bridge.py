@@ -10,7 +10,16 @@
    we recompute the trainer's logprobs of the same tokens at the same (pre-update) weights through
    TRL's own ``_get_per_token_logps_and_entropies`` and log the full mismatch set of
    ``roundalign.metrics`` into TRL's ``_metrics`` (so it reaches ``report_to`` too).
-3. ``vllm_llm_overrides``: TRL's colocated ``vllm.LLM(...)`` call has no ``enforce_eager`` or ``dtype``
+3. ``RoundalignGRPOTrainer._get_per_token_logps_and_entropies``: TRL scores a left-padded batch without
+   ``position_ids``, so transformers would use ``arange`` positions and a padded sequence's tokens would sit
+   at shifted RoPE positions (vLLM runs every sequence from position 0). While TRL's helper runs, a forward
+   pre-hook on the scored model (policy or reference; it reaches TRL's fused LM-head path, which passes its
+   keyword arguments to the backbone) adds ``position_ids = cumsum(attention_mask) - 1`` clamped at 0.
+4. ``RoundalignGRPOTrainer.create_optimizer`` / ``_clip_grad_norm`` / ``compute_loss``: fp32 master weights
+   (``roundalign.optim``) on one process and under DDP: Trainer's optimizer is built as usual and wrapped;
+   Trainer's gradient clipping calls the wrapper's ``clip_master_grads`` (like its SageMaker path does);
+   fp16 scales the loss gradient. Under DeepSpeed and FSDP the masters are theirs (configs/accelerate/).
+5. ``vllm_llm_overrides``: TRL's colocated ``vllm.LLM(...)`` call has no ``enforce_eager`` or ``dtype``
    argument; for ``--engine vllm-eager`` and the fp16 variant we wrap the ``LLM`` name TRL's module uses.
 
 ``tests/test_trl_bridge.py`` fails loudly when any of these internals changes.
@@ -25,7 +34,9 @@ import math
 import torch
 from trl import GRPOTrainer
 
+from . import distributed as D
 from . import metrics as M
+from .optim import MasterWeightsOptimizer, scale_loss_grad
 
 # TRL metric names -> ours (metrics.jsonl); anything not listed keeps TRL's name.
 TRL_RENAMES = {
@@ -101,6 +112,14 @@ class RoundalignGRPOTrainer(GRPOTrainer):
     mismatch_is: tuple | None = None
 
     def _generate_and_score_completions(self, inputs):
+        if self.args.use_vllm and self.args.vllm_mode == "colocate" and torch.cuda.is_available():
+            # Colocated vLLM runs in this process and samples requests without a seed from the device's
+            # default generator; TRL has one SamplingParams per call (a fixed seed there would give every
+            # repeat of a prompt the same completion). Reseeding that generator from (seed, step, rank)
+            # makes each step's samples a function of the step, so a resumed run samples what an
+            # uninterrupted one did (the generator's state itself is not part of a checkpoint's meaning).
+            step_seed = (self.args.seed * 1_000_003 + self.state.global_step) * 4099 + self.accelerator.process_index
+            torch.cuda.manual_seed(step_seed % (2**63 - 1))
         output = super()._generate_and_score_completions(inputs)
         if self.log_mismatch and "sampling_per_token_logps" in output:
             self._log_mismatch(output)
@@ -118,18 +137,111 @@ class RoundalignGRPOTrainer(GRPOTrainer):
             train_logp, entropy, _ = self._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, completion_ids.size(1),
                 batch_size=self.args.per_device_train_batch_size, compute_entropy=True)
-        mask = output["completion_mask"].bool()
-        engine_logp = output["sampling_per_token_logps"]
-        result = M.mismatch_metrics(train_logp.float(), engine_logp.float(), mask, entropy=entropy.float())
-        for level, values in result.items():
-            for name, value in values.items():
-                key = f"mismatch/{'seq' if level == 'sequence' else level}/{name.removeprefix('mismatch_')}"
-                self._metrics[mode][key].append(float(value))
-        if self.mismatch_is is not None:
-            mode_is, cap, clip_min = self.mismatch_is
-            for key, value in _is_stats(train_logp.float() - engine_logp.float(), mask, mode_is, cap,
-                                        clip_min).items():
-                self._metrics[mode][key].append(value)
+        for key, value in step_mismatch_metrics(train_logp, output["sampling_per_token_logps"],
+                                                output["completion_mask"], entropy, self.mismatch_is).items():
+            self._metrics[mode][key].append(value)
+
+    # -- positions ------------------------------------------------------------------------------------
+
+    _position_fix: bool = True  # private switch: tests show the mismatch without it
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+        if not self._position_fix:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+        module = self.accelerator.unwrap_model(model)
+        handle = module.register_forward_pre_hook(_positions_from_mask, with_kwargs=True)
+        try:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    # -- fp32 master weights --------------------------------------------------------------------------
+
+    def _master_weights_here(self) -> bool:
+        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
+    def create_optimizer(self, model=None):
+        if self.is_fsdp_enabled:
+            raise RuntimeError(
+                "FSDP: accelerate's FSDP mixed precision autocasts the forward (moving the rounding points this "
+                "study controls) and without it the optimizer would step bf16 weights; use DeepSpeed ZeRO-3 "
+                "(configs/accelerate/zero3.yaml: bf16 compute, fp32 master partitions) for sharded training")
+        if isinstance(self.optimizer, MasterWeightsOptimizer) or not self._master_weights_here():
+            return super().create_optimizer(model)
+        inner = super().create_optimizer(model)
+        low = [p for g in inner.param_groups for p in g["params"] if p.dtype in (torch.bfloat16, torch.float16)]
+        self.optimizer = MasterWeightsOptimizer(
+            inner, hooks=self.accelerator.num_processes == 1,
+            dynamic_loss_scale=any(p.dtype == torch.float16 for p in low))
+        return self.optimizer
+
+    def _master_optimizer(self) -> MasterWeightsOptimizer | None:
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        return opt if isinstance(opt, MasterWeightsOptimizer) else None
+
+    def _clip_grad_norm(self, model):
+        opt = self._master_optimizer()
+        if opt is None:
+            return super()._clip_grad_norm(model)
+        norm = opt.clip_master_grads(self.args.max_grad_norm)
+        if opt.dynamic:
+            self._metrics["train"]["optim/loss_scale"].append(opt.loss_scale)
+            self._metrics["train"]["optim/overflow_skipped"].append(float(opt.overflow))
+        return norm
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        opt = self._master_optimizer()
+        return scale_loss_grad(loss, opt.loss_scale) if opt is not None and model.training else loss
+
+
+def master_state_dict(trainer) -> dict[str, torch.Tensor]:
+    """The policy's state dict at master precision (fp32): our masters, DeepSpeed's fp32 partitions
+    (gathered: a collective), or the model's own fp32 weights."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    opt = trainer._master_optimizer() if isinstance(trainer, RoundalignGRPOTrainer) else None
+    if opt is not None:
+        return opt.master_state_dict(model)
+    if trainer.is_deepspeed_enabled:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = {id(p): safe_get_full_fp32_param(p) for p in model.parameters()}
+        return {name: (full.get(id(t)) if full.get(id(t)) is not None else t).detach().float().cpu()
+                for name, t in model.state_dict(keep_vars=True).items()}
+    return {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
+
+
+def _positions_from_mask(module, args, kwargs):
+    """Forward pre-hook: each sequence's first real token at position 0 (left padding), as vLLM runs it."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or kwargs.get("position_ids") is not None:
+        return None
+    kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return args, kwargs
+
+
+def step_mismatch_metrics(train_logp, engine_logp, completion_mask, entropy, mismatch_is=None) -> dict[str, float]:
+    """The logged mismatch metrics of one generation batch (a collective under several processes).
+
+    vLLM returns None for a token it cannot score; TRL makes it NaN and leaves it out (IS ratio 1, logp
+    difference not counted): we mask it too, or k3 would be NaN and the run marked collapsed. A NaN on the
+    trainer's side stays in and is a collapse. Every rank holds its own completions: they are gathered (padded
+    to the longest), so every rank computes the metrics of the whole step, the numbers a single process would
+    compute over all completions."""
+    mask = completion_mask.bool() & ~torch.isnan(engine_logp)
+    train_logp, engine_logp, mask, entropy = D.gather_padded(
+        [train_logp.float(), engine_logp.float(), mask, entropy.float()], pad_values=[0.0, 0.0, False, 0.0])
+    out: dict[str, float] = {}
+    if not mask.any():
+        return out  # every engine logprob unavailable: nothing to report this step
+    result = M.mismatch_metrics(train_logp, engine_logp, mask, entropy=entropy)
+    for level, values in result.items():
+        for name, value in values.items():
+            out[f"mismatch/{'seq' if level == 'sequence' else level}/{name.removeprefix('mismatch_')}"] = float(value)
+    if mismatch_is is not None:
+        mode_is, cap, clip_min = mismatch_is
+        out.update(_is_stats(train_logp - engine_logp, mask, mode_is, cap, clip_min))
+    return out
 
 
 @contextlib.contextmanager

@@ -2,10 +2,10 @@
 
 A problem is ``{"prompt": "What is 07+42?", "answer": "49"}``; completions look like ``" 49<eos>"``
 (the prompt ends on a token boundary: byte-level BPE attaches a space to the following word); the same ``(n, seed, max_operand)``
-always gives the same list. Training uses ``fixed_width=True``: operands are zero-padded so every prompt
-has the same number of tokens. TRL left-pads prompts of unequal length and the trainer then sees them at
-shifted RoPE positions, which vLLM never does; equal lengths keep that mismatch source out of CPU runs
-(see docs/numerics.md).
+always gives the same list. ``arith_dataset(style="fixed")`` zero-pads operands so every prompt has the same
+number of tokens; ``style="variable"`` gives prompts of different token lengths (plain operands, three
+phrasings), which TRL left-pads like MATH prompts: the runner scores them with positions from the attention
+mask, so each sequence starts at RoPE position 0 as in vLLM.
 """
 
 from __future__ import annotations
@@ -35,11 +35,24 @@ def make_arith_problems(n: int, seed: int = 0, max_operand: int = 99, operators:
     return out
 
 
-def arith_dataset(n: int, seed: int = 0, max_operand: int = 49):
-    """A ``datasets.Dataset`` with columns ``prompt`` (fixed-width text) and ``answer``."""
+VARIABLE_TEMPLATES = ("What is {q}?", "Compute {q}.", "Please work out the value of {q}?")
+
+
+def arith_dataset(n: int, seed: int = 0, max_operand: int = 49, style: str = "fixed"):
+    """A ``datasets.Dataset`` with columns ``prompt`` and ``answer``; ``style`` "fixed" (zero-padded operands,
+    one template: equal token lengths) or "variable" (plain operands, templates drawn per problem)."""
     from datasets import Dataset
 
-    return Dataset.from_list(make_arith_problems(n, seed=seed, max_operand=max_operand, fixed_width=True))
+    if style == "fixed":
+        return Dataset.from_list(make_arith_problems(n, seed=seed, max_operand=max_operand, fixed_width=True))
+    if style != "variable":
+        raise ValueError(f"unknown arith prompt style {style!r}; valid: fixed, variable")
+    rng = random.Random(seed + 1)
+    rows = []
+    for p in make_arith_problems(n, seed=seed, max_operand=max_operand, fixed_width=False):
+        q = p["prompt"].removeprefix("What is ").removesuffix("?")
+        rows.append({"prompt": rng.choice(VARIABLE_TEMPLATES).format(q=q), "answer": p["answer"]})
+    return Dataset.from_list(rows)
 
 
 def arith_reward(completions: list[str], answer: list[str], **_) -> list[float]:
