@@ -413,6 +413,12 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
+    if cfg.backend == "vllm":
+        from .vllm_guard import guard_trainer
+
+        # what decides the real engine's rounding map, in run.json; stops here (before step 1) on a mismatch
+        files.record["vllm_engine"] = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
+        files.write()
     if getattr(trainer, "ref_model", None) is not None:
         # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
         # KL would measure the alignment itself (4e-4 nats at step 1 on a tiny model before this line)
