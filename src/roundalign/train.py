@@ -57,8 +57,13 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "
                                "on a GPU machine; on CPU use --backend emulated")
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend 'vllm' needs a CUDA GPU and none is visible; on CPU use --backend emulated")
+        from .gpuinfo import cuda_report, format_report
+
+        rep = cuda_report()  # torch's CUDA build, driver, GPUs; names a too-old driver
+        print(f"[preflight] {format_report(rep)}", flush=True)
+        if rep["problem"] or not torch.cuda.is_available():
+            raise RuntimeError(f"backend 'vllm' needs a usable CUDA GPU: {rep['problem']}; "
+                               "on CPU use --backend emulated")
     resolve_model_path(cfg.model)
     if cfg.task == "math" and Path(cfg.math_dataset).suffix in (".json", ".jsonl") \
             and not Path(cfg.math_dataset).is_file():
