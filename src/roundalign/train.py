@@ -344,6 +344,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     state = {"sigterm": False, "collapse": None, "sync": None,
              "resume_state": _read_json(resume / "roundalign_state.json") if resume else None}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: state.__setitem__("sigterm", True))
+    # SIGUSR1 = an early warning from `srun --signal=USR1@N` in hand-written batch scripts (deadline.py)
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: state.__setitem__("sigterm", True))
     try:
         trainer = _build_trainer(cfg, ckpt_dir, files, state, callbacks, log)
         from .engine import NonFiniteLogitsError
@@ -364,6 +366,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+        signal.signal(signal.SIGUSR1, previous_usr1)
     files.record.update(status=status, exit_code=code,
                         wall_time_s=round(files.record["wall_time_s"] + time.perf_counter() - t0, 3))
     files.write()
@@ -410,11 +413,14 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
         log(f"[train] server mode: start the server with the matching options: trl vllm-serve --model {cfg.model} "
             + ("--enforce_eager " if cfg.engine == "vllm-eager" else "")
             + ("--dtype float16 " if cfg.dtype == "fp16" else "") + "--logprobs_mode processed_logprobs")
+    from .deadline import make_deadline_callback
+
+    deadline = make_deadline_callback(state, log=log)  # checkpoint before the job's time limit (None: no limit)
     with ctx:
         trainer = RoundalignGRPOTrainer(
             model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer,
             rollout_func=make_rollout(engine, tokenizer, cfg) if engine is not None else None,
-            callbacks=[_make_callback(files, cfg, state, log), *callbacks])
+            callbacks=[_make_callback(files, cfg, state, log), *callbacks, *([deadline] if deadline else [])])
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
