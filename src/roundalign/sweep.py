@@ -63,6 +63,10 @@ class Sweep:
             if key in spec.get("train", {}):
                 raise ConfigError(f"{where}.train.{key} is set per run by the sweep")
         overrides = self.train_overrides(name)
+        if overrides.get("vllm_mode") == "server":
+            raise ConfigError(f"{where}: vllm_mode 'server' is not supported by the sweep: no job starts a vLLM "
+                              "server (and the rounding-map guard cannot inspect one); use vllm_mode: colocate, or "
+                              "run `roundalign train --set vllm_mode=server` by hand against a server you started")
         if overrides.get("backend", "emulated") == "vllm" and spec["gpus"] < 1:
             raise ConfigError(f"{where}.gpus={spec['gpus']}: backend 'vllm' needs at least one GPU")
         if spec["gpus"] > 1 and not spec.get("accelerate_config"):

@@ -390,11 +390,15 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     tokenizer = load_tokenizer(cfg.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # GRPOConfig first: under `accelerate launch` with DeepSpeed, building it creates accelerate's DeepSpeedPlugin,
+    # which registers transformers' HfDeepSpeedConfig (transformers/training_args.py, step "12. DeepSpeed";
+    # accelerate/utils/dataclasses.py DeepSpeedPlugin.set_deepspeed_weakref), so a model loaded afterwards is
+    # created under deepspeed.zero.Init (zero3_init_flag) and each rank holds only its shard, not the full model.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = build_grpo_args(cfg, ckpt_dir, world)
     model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
     model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
     dataset, reward_fn = _dataset(cfg, tokenizer)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = build_grpo_args(cfg, ckpt_dir, world)
     engine = None
     if cfg.backend == "emulated":
         from .engine import Engine
