@@ -49,3 +49,20 @@ def test_sweep_refuses_vllm_server_mode_naming_the_model():
     cfg["models"]["qwen3-4b-base"]["train"]["vllm_mode"] = "server"
     with pytest.raises(ConfigError, match=r"models\.qwen3-4b-base: vllm_mode 'server' is not supported"):
         Sweep(cfg)
+
+
+def test_paper_probes_run_on_one_gpu_of_each_models_kind():
+    sweep = Sweep(_paper())
+    assert sweep.probe_resources("qwen25-math-7b") == {"gpu": 1, "gpu_model": "h100", "cpus_per_gpu": 8,
+                                                      "mem_mb": 256000, "runtime": 120}
+    smoke = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
+    from snakemake.utils import validate
+
+    validate(smoke, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
+    name = next(iter(smoke["models"]))
+    assert Sweep(smoke).probe_resources(name)["gpu"] == 0  # tiny models keep the CPU probe
+    cfg = _paper()
+    cfg["models"]["qwen3-1.7b-base"]["gpus"] = 0
+    cfg["models"]["qwen3-1.7b-base"]["train"] = {"backend": "emulated"}
+    with pytest.raises(ConfigError, match=r"models\.qwen3-1\.7b-base\.gpus=0: probe\.backend 'vllm'"):
+        Sweep(cfg)
