@@ -1,5 +1,6 @@
 """Tasks: arith prompts and reward; math loader and math-verify reward on a local fixture."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,30 @@ def test_math_loader_and_gold_answers():
     assert len(load_math_dataset(str(FIXTURE), limit=2)) == 2
     assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{x^{2}}") == "x^{2}"
     assert gold_answer({"answer": "so\n#### 1,234"}) == "1,234"
+
+
+def test_unbraced_and_fbox_answers_parse_and_rows_without_gold_are_skipped(tmp_path):
+    assert last_boxed("so $\\boxed 2$.") == "2"
+    assert last_boxed("first \\boxed{1}, then $\\fbox{\\frac{1}{2}}$") == "\\frac{1}{2}"
+    assert last_boxed("\\fbox{3} and later \\boxed 7") == "7"
+    assert last_boxed("\\boxed{unclosed") is None and gold_answer({"solution": "no answer here"}) is None
+    assert gold_answer({"solution": "\\boxed{}"}) is None
+    rows = [{"problem": "a", "solution": "$\\boxed 2$"}, {"problem": "b", "solution": "none given"},
+            {"problem": "c", "solution": "$\\fbox{x+1}$"}, {"problem": "d", "answer": None, "solution": ""}]
+    data = tmp_path / "m.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    logs = []
+    ds = load_math_dataset(str(data), log=logs.append)
+    assert ds["answer"] == ["2", "x+1"] and [p[1]["content"] for p in ds["prompt"]] == ["a", "c"]
+    assert logs == [f"[math] {data}: skipped 2 of 4 rows without a gold answer (no \\boxed{{}}/\\fbox{{}}, '####' or "
+                    "answer value)"]
+    from roundalign.fetch import prepare_math_data
+
+    out = prepare_math_data(str(data), "train", tmp_path / "p.jsonl", log=lambda *_: None)
+    assert [json.loads(x)["answer"] for x in out.read_text().splitlines()] == ["2", "x+1"]
+    data.write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError, match="none of its 1 rows has a gold answer"):
+        load_math_dataset(str(data), log=lambda *_: None)
 
 
 def test_math_reward_uses_math_verify_equivalence():

@@ -77,6 +77,13 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--dtype", default="bf16", help="model dtype: bf16, fp16, fp32 (default bf16)")
     pr.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default 0)")
     pr.add_argument("--out", required=True, help="output CSV; <stem>_layers.csv and <stem>.json go beside it")
+    pr.add_argument("--backend", default="emulated", choices=("emulated", "vllm"),
+                    help="emulated: the emulated engine samples, all on CPU (tiny models); vllm: real vLLM samples "
+                         "in --engine mode and the trainer rescores on --device (paper scale; also writes "
+                         "<stem>_emulated.csv, the emulated engine on the same device) (default emulated)")
+    pr.add_argument("--device", default="cuda", help="torch device of the vllm backend's trainer (default cuda)")
+    pr.add_argument("--gpu-memory-utilization", type=float, default=0.45,
+                    help="fraction of GPU memory vLLM may take while it samples (vllm backend; default 0.45)")
 
     from .config import BACKENDS, TASKS, TRAIN_VARIANTS
 
@@ -165,7 +172,12 @@ def run_probe_cli(args) -> None:
                       seed=args.seed, temperature=args.temperature, context_tokens=args.context_tokens,
                       splitk_chunk=args.splitk_chunk, dtype=args.dtype)
     _setup_runtime()
-    run_probe(cfg, args.out)
+    if args.backend == "vllm":
+        from .probe_gpu import run_probe_gpu
+
+        run_probe_gpu(cfg, args.out, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
+    else:
+        run_probe(cfg, args.out)
 
 
 def run_train_cli(args) -> int:

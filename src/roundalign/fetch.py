@@ -31,7 +31,7 @@ def prepare_math_data(dataset: str, split: str, out_file: str | Path, log=print)
     from .io import atomic_write_text
     from .tasks.math import load_math_dataset
 
-    ds = load_math_dataset(dataset, split=split)
+    ds = load_math_dataset(dataset, split=split, log=log)  # rows without a gold answer: skipped, counted
     lines = [json.dumps({"problem": row["prompt"][-1]["content"], "answer": row["answer"]}) for row in ds]
     atomic_write_text(out_file, "\n".join(lines) + "\n")
     log(f"[prepare-data] {dataset} ({split}): {len(lines)} problems -> {out_file}")

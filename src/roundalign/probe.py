@@ -151,6 +151,48 @@ def rms_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / den) if den > 0 else math.nan
 
 
+def compare_variants(model, samples, cfg: ProbeConfig, label: str, engine_label: str, log=print):
+    """Rescore ``samples`` (engine completions with their logprobs) with every trainer variant of ``cfg``; returns
+    (rows, layer_rows) of the probe tables. Layer rows need ``Sample.layer_states`` (the emulated engine's);
+    samples from real vLLM have none and give none. The trainer runs on the device of ``model``."""
+    engine_logp, mask = _pad([s.logprobs for s in samples])
+    device = next(model.parameters()).device
+    rows, layer_rows = [], []
+    for k, variant in enumerate(cfg.variants, 1):
+        t1 = time.perf_counter()
+        apply_alignment(model, variant, cfg.engine)
+        logps, ents, per_layer = [], [], [[] for _ in model.model.layers]
+        for s in samples:
+            with torch.device(device):  # trainer_logprobs builds its id tensors without a device
+                lp, ent, states = trainer_logprobs(model, s.prompt_ids, s.completion_ids, cfg.temperature,
+                                                   capture_layers=s.layer_states is not None)
+            logps.append(lp.cpu())
+            ents.append(ent.cpu())
+            for i, st in enumerate(states):
+                per_layer[i].append((st.cpu(), s.layer_states[i]))
+        train_logp, _ = _pad(logps)
+        entropy, _ = _pad(ents)
+        result = M.mismatch_metrics(train_logp, engine_logp, mask, entropy=entropy)
+        for level, values in result.items():
+            for metric, value in values.items():
+                rows.append({"model": label, "engine": engine_label, "variant": variant, "level": level,
+                             "metric": metric, "value": float(value)})
+        for i, pairs in enumerate(per_layer):
+            if not pairs:
+                continue
+            err = rms_rel_err(torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs]))
+            layer_rows.append({"model": label, "engine": engine_label, "variant": variant, "layer": i,
+                               "metric": "hidden_rel_err_rms", "value": err})
+        tok = result["token"]
+        log(f"[probe] {label} {variant:>8} ({k}/{len(cfg.variants)}): k3={float(tok['mismatch_k3']):.3e} "
+            f"|dlogp| mean={float(tok['logp_abs_diff_mean']):.3e} max={float(tok['logp_abs_diff_max']):.3e} "
+            f"exact={float(tok['tokens_exact_frac']):.3f} "
+            + (f"last-layer rel err={layer_rows[-1]['value']:.2e} " if layer_rows else "")
+            + f"({time.perf_counter() - t1:.1f}s)")
+    apply_alignment(model, "baseline")
+    return rows, layer_rows
+
+
 def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     """Run the probe and write its three files; returns (table, layer_table) as DataFrames."""
     import pandas as pd
@@ -173,36 +215,7 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     log(f"[probe] {label}: engine {cfg.engine} (attn={cfg.attn}, gemm={cfg.engine_gemm}) sampled {len(samples)} "
         f"completions, {n_tok} tokens, prompt length {min(map(len, prompts))}-{max(map(len, prompts))} "
         f"({time.perf_counter() - t0:.1f}s)")
-    engine_logp, mask = _pad([s.logprobs for s in samples])
-    rows, layer_rows = [], []
-    for k, variant in enumerate(cfg.variants, 1):
-        t1 = time.perf_counter()
-        apply_alignment(model, variant, cfg.engine)
-        logps, ents, per_layer = [], [], [[] for _ in model.model.layers]
-        for s in samples:
-            lp, ent, states = trainer_logprobs(model, s.prompt_ids, s.completion_ids, cfg.temperature,
-                                               capture_layers=True)
-            logps.append(lp)
-            ents.append(ent)
-            for i, st in enumerate(states):
-                per_layer[i].append((st, s.layer_states[i]))
-        train_logp, _ = _pad(logps)
-        entropy, _ = _pad(ents)
-        result = M.mismatch_metrics(train_logp, engine_logp, mask, entropy=entropy)
-        for level, values in result.items():
-            for metric, value in values.items():
-                rows.append({"model": label, "engine": cfg.engine, "variant": variant, "level": level,
-                             "metric": metric, "value": float(value)})
-        for i, pairs in enumerate(per_layer):
-            err = rms_rel_err(torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs]))
-            layer_rows.append({"model": label, "engine": cfg.engine, "variant": variant, "layer": i,
-                               "metric": "hidden_rel_err_rms", "value": err})
-        tok = result["token"]
-        log(f"[probe] {label} {variant:>8} ({k}/{len(cfg.variants)}): k3={float(tok['mismatch_k3']):.3e} "
-            f"|dlogp| mean={float(tok['logp_abs_diff_mean']):.3e} max={float(tok['logp_abs_diff_max']):.3e} "
-            f"exact={float(tok['tokens_exact_frac']):.3f} last-layer rel err={layer_rows[-1]['value']:.2e} "
-            f"({time.perf_counter() - t1:.1f}s)")
-    apply_alignment(model, "baseline")
+    rows, layer_rows = compare_variants(model, samples, cfg, label, cfg.engine, log)
     table, layer_table = pd.DataFrame(rows), pd.DataFrame(layer_rows)
     atomic_write_csv(table, out_csv)
     atomic_write_csv(layer_table, layers_csv)

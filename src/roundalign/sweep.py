@@ -63,11 +63,18 @@ class Sweep:
             if key in spec.get("train", {}):
                 raise ConfigError(f"{where}.train.{key} is set per run by the sweep")
         overrides = self.train_overrides(name)
+        if overrides.get("vllm_mode") == "server":
+            raise ConfigError(f"{where}: vllm_mode 'server' is not supported by the sweep: no job starts a vLLM "
+                              "server (and the rounding-map guard cannot inspect one); use vllm_mode: colocate, or "
+                              "run `roundalign train --set vllm_mode=server` by hand against a server you started")
         if overrides.get("backend", "emulated") == "vllm" and spec["gpus"] < 1:
             raise ConfigError(f"{where}.gpus={spec['gpus']}: backend 'vllm' needs at least one GPU")
         if spec["gpus"] > 1 and not spec.get("accelerate_config"):
             raise ConfigError(f"{where}.accelerate_config: {spec['gpus']} GPUs need an accelerate launch config, "
                               "e.g. configs/accelerate/zero3.yaml")
+        if self.config.get("probe", {}).get("backend") == "vllm" and spec["gpus"] < 1:
+            raise ConfigError(f"{where}.gpus={spec['gpus']}: probe.backend 'vllm' runs each probe on one GPU; give "
+                              "the model gpus >= 1 or use probe.backend emulated")
         for variant in self.variants:
             try:
                 build_config(overrides={"model": "check", "variant": variant, **overrides})
@@ -128,6 +135,15 @@ class Sweep:
         return "python"
 
     # -- resources --------------------------------------------------------------------------------
+
+    def probe_resources(self, model: str) -> dict:
+        """One probe job: CPU only (emulated backend), or one GPU of the model's kind (vllm backend)."""
+        spec, probe = self.models[model], self.config["probe"]
+        runtime = spec.get("probe_runtime_min") or probe["runtime_min"]
+        if probe.get("backend", "emulated") != "vllm":
+            return {"gpu": 0, "gpu_model": "", "cpus_per_gpu": 0, "mem_mb": probe["mem_mb"], "runtime": runtime}
+        return {"gpu": 1, "gpu_model": spec.get("gpu_model") or "", "cpus_per_gpu": spec["cpus_per_gpu"],
+                "mem_mb": spec["mem_mb"], "runtime": runtime}
 
     def train_resources(self, model: str, attempt: int = 1) -> dict:
         spec = self.models[model]

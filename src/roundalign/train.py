@@ -57,8 +57,13 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "
                                "on a GPU machine; on CPU use --backend emulated")
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend 'vllm' needs a CUDA GPU and none is visible; on CPU use --backend emulated")
+        from .gpuinfo import cuda_report, format_report
+
+        rep = cuda_report()  # torch's CUDA build, driver, GPUs; names a too-old driver
+        print(f"[preflight] {format_report(rep)}", flush=True)
+        if rep["problem"] or not torch.cuda.is_available():
+            raise RuntimeError(f"backend 'vllm' needs a usable CUDA GPU: {rep['problem']}; "
+                               "on CPU use --backend emulated")
     resolve_model_path(cfg.model)
     if cfg.task == "math" and Path(cfg.math_dataset).suffix in (".json", ".jsonl") \
             and not Path(cfg.math_dataset).is_file():
@@ -367,6 +372,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     state = {"sigterm": False, "collapse": None, "sync": None,
              "resume_state": _read_json(resume / "roundalign_state.json") if resume else None}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: state.__setitem__("sigterm", True))
+    # SIGUSR1 = an early warning from `srun --signal=USR1@N` in hand-written batch scripts (deadline.py)
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: state.__setitem__("sigterm", True))
     try:
         trainer = _build_trainer(cfg, ckpt_dir, files, state, callbacks, log)
         from .engine import NonFiniteLogitsError
@@ -389,6 +396,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+        signal.signal(signal.SIGUSR1, previous_usr1)
     files.record.update(status=status, exit_code=code,
                         wall_time_s=round(files.record["wall_time_s"] + time.perf_counter() - t0, 3))
     files.write()
@@ -435,11 +443,15 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     tokenizer = load_tokenizer(cfg.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # GRPOConfig first: under `accelerate launch` with DeepSpeed, building it creates accelerate's DeepSpeedPlugin,
+    # which registers transformers' HfDeepSpeedConfig (transformers/training_args.py, step "12. DeepSpeed";
+    # accelerate/utils/dataclasses.py DeepSpeedPlugin.set_deepspeed_weakref), so a model loaded afterwards is
+    # created under deepspeed.zero.Init (zero3_init_flag) and each rank holds only its shard, not the full model.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = build_grpo_args(cfg, ckpt_dir, world)
     model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
     model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
     dataset, reward_fn = _dataset(cfg, tokenizer)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = build_grpo_args(cfg, ckpt_dir, world)
     engine = None
     if cfg.backend == "emulated":
         from .engine import Engine
@@ -458,14 +470,23 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
         log(f"[train] server mode: start the server with the matching options: trl vllm-serve --model {cfg.model} "
             + ("--enforce_eager " if cfg.engine == "vllm-eager" else "")
             + ("--dtype float16 " if cfg.dtype == "fp16" else "") + "--logprobs_mode processed_logprobs")
+    from .deadline import make_deadline_callback
+
+    deadline = make_deadline_callback(state, log=log)  # checkpoint before the job's time limit (None: no limit)
     with ctx:
         trainer = RoundalignGRPOTrainer(
             model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer,
             rollout_func=make_rollout(engine, tokenizer, cfg) if engine is not None else None,
-            callbacks=[_make_callback(files, cfg, state, log), *callbacks])
+            callbacks=[_make_callback(files, cfg, state, log), *callbacks, *([deadline] if deadline else [])])
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
+    if cfg.backend == "vllm":
+        from .vllm_guard import guard_trainer
+
+        # what decides the real engine's rounding map, in run.json; stops here (before step 1) on a mismatch
+        files.record["vllm_engine"] = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
+        files.write()
     if getattr(trainer, "ref_model", None) is not None:
         # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
         # KL would measure the alignment itself (4e-4 nats at step 1 on a tiny model before this line)

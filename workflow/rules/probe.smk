@@ -1,4 +1,5 @@
-# Offline probe at identical weights: the emulated engine samples, each trainer variant rescores.
+# Offline probe at identical weights: an engine samples (the emulated one on CPU, or real vLLM on one GPU with
+# probe.backend vllm, resources from the model's entry), each trainer variant rescores.
 
 
 rule probe:
@@ -13,8 +14,11 @@ rule probe:
     conda:
         CONDA_ENV
     resources:
-        mem_mb=SWEEP.config["probe"]["mem_mb"],
-        runtime=SWEEP.config["probe"]["runtime_min"],
+        gpu=lambda wc: SWEEP.probe_resources(wc.model)["gpu"],
+        gpu_model=lambda wc: SWEEP.probe_resources(wc.model)["gpu_model"],
+        cpus_per_gpu=lambda wc: SWEEP.probe_resources(wc.model)["cpus_per_gpu"],
+        mem_mb=lambda wc: SWEEP.probe_resources(wc.model)["mem_mb"],
+        runtime=lambda wc: SWEEP.probe_resources(wc.model)["runtime"],
     params:
         p=SWEEP.config["probe"],
         variants=",".join(SWEEP.config["probe"]["variants"]),
@@ -22,4 +26,5 @@ rule probe:
         "python -m roundalign probe --model {input.model} --engine {wildcards.engine} --attn {params.p[attn]} "
         "--engine-gemm {params.p[engine_gemm]} --variants {params.variants} --prompts {params.p[prompts]} "
         "--max-new-tokens {params.p[max_new_tokens]} --context-tokens {params.p[context_tokens]} "
+        "--backend {params.p[backend]} --gpu-memory-utilization {params.p[gpu_memory_utilization]} "
         "--seed 0 --out {output.table} > {log} 2>&1"

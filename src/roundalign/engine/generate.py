@@ -96,8 +96,16 @@ class Engine:
         return out  # type: ignore[return-value]
 
     def _generate_group(self, prompts, indices, max_new_tokens, temperature, seed, eos_token_id, record):
+        # The engine runs on the device of its weights (a GPU for paper-scale probes): engine/model.py creates
+        # masks and positions without a device, so its forwards run under that default device. Sampling stays on
+        # the CPU generators, so a sample depends on (seed, index) and the probabilities only, not the device.
+        with torch.device(self.model.embed.device):
+            return self._generate_group_on_device(prompts, indices, max_new_tokens, temperature, seed, eos_token_id,
+                                                  record)
+
+    def _generate_group_on_device(self, prompts, indices, max_new_tokens, temperature, seed, eos_token_id, record):
         bsz = len(prompts)
-        gens = [torch.Generator().manual_seed(_sample_seed(seed, i)) for i in indices]
+        gens = [torch.Generator(device="cpu").manual_seed(_sample_seed(seed, i)) for i in indices]
         cache = KVCache(len(self.model.layers))
         states: list[list[Tensor]] = []  # per forward call: list over layers of (B, T, hidden)
         step_states = [] if record else None
@@ -117,7 +125,7 @@ class Engine:
                 if temperature == 0:
                     t = int(torch.argmax(logp[b]))
                 else:
-                    t = int(torch.multinomial(logp[b].exp(), 1, generator=gens[b]))
+                    t = int(torch.multinomial(logp[b].exp().cpu(), 1, generator=gens[b]))
                 nxt.append(t)
                 if not done[b]:
                     tokens[b].append(t)
@@ -134,7 +142,7 @@ class Engine:
             layer_states = None
             if record:
                 n_pos = len(prompts[b]) + len(tokens[b]) - 1  # positions whose output produced a sampled token
-                layer_states = [torch.cat([st[layer][b] for st in states], dim=0)[:n_pos]
+                layer_states = [torch.cat([st[layer][b] for st in states], dim=0)[:n_pos].cpu()
                                 for layer in range(len(self.model.layers))]
-            samples.append(Sample(prompts[b], tokens[b], torch.stack(logps[b]), layer_states))
+            samples.append(Sample(prompts[b], tokens[b], torch.stack(logps[b]).cpu(), layer_states))
         return samples

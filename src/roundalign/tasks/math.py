@@ -15,12 +15,27 @@ _PROBLEM_COLUMNS = ("problem", "question", "prompt")
 _SOLUTION_COLUMNS = ("answer", "solution")
 
 
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (balanced braces), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    """Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text`` (balanced braces), or of the brace-less
+    form ``\\boxed 2`` (up to the closing ``$``, as MATH's reference grader reads it); None when there is none
+    or its braces never close."""
+    best = None  # (position, command) of the last box command followed by "{" or " "
+    for cmd in _BOX_COMMANDS:
+        for sep in ("{", " "):
+            pos = text.rfind(cmd + sep)
+            if pos >= 0 and (best is None or pos > best[0]):
+                best = (pos, cmd + sep)
+    if best is None:
         return None
-    i, depth = start + len("\\boxed{"), 1
+    pos, head = best
+    i = pos + len(head)
+    if head.endswith(" "):
+        content = text[i:].split("$", 1)[0].strip()
+        return content or None
+    depth = 1
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
@@ -28,24 +43,27 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def gold_answer(row: dict) -> str:
+def gold_answer(row: dict) -> str | None:
+    """The gold answer of a dataset row: the last box of ``answer``/``solution``, GSM8K's ``#### 42``, or a plain
+    ``answer`` value; None when the row has none (such rows are skipped by ``load_math_dataset``)."""
     for col in _SOLUTION_COLUMNS:
         value = row.get(col)
         if value is None:
             continue
         value = str(value)
         boxed = last_boxed(value)
-        if boxed is not None:
+        if boxed is not None and boxed.strip():
             return boxed
         if "####" in value:
-            return value.rsplit("####", 1)[1].strip()
-        if col == "answer":
+            return value.rsplit("####", 1)[1].strip() or None
+        if col == "answer" and value.strip():
             return value.strip()
-    raise ValueError(f"row has no gold answer in any of the columns {_SOLUTION_COLUMNS}: {sorted(row)}")
+    return None
 
 
-def load_math_dataset(name_or_path: str, split: str = "train", limit: int | None = None):
-    """Dataset with columns ``prompt`` (chat messages) and ``answer`` (gold answer string)."""
+def load_math_dataset(name_or_path: str, split: str = "train", limit: int | None = None, log=print):
+    """Dataset with columns ``prompt`` (chat messages) and ``answer`` (gold answer string). Rows without a gold
+    answer are skipped and counted (one log line), never an error; ``limit`` caps the rows kept."""
     from datasets import load_dataset
 
     path = Path(name_or_path)
@@ -65,6 +83,15 @@ def load_math_dataset(name_or_path: str, split: str = "train", limit: int | None
     if problem_col is None:
         raise ValueError(f"math dataset {name_or_path!r} has none of the problem columns {_PROBLEM_COLUMNS}; "
                          f"it has {ds.column_names}")
+    answers = [gold_answer(row) for row in ds]
+    keep = [i for i, a in enumerate(answers) if a is not None]
+    if len(keep) < len(ds):
+        log(f"[math] {name_or_path}: skipped {len(ds) - len(keep)} of {len(ds)} rows without a gold answer "
+            f"(no \\boxed{{}}/\\fbox{{}}, '####' or answer value)")
+        if not keep:
+            raise ValueError(f"math dataset {name_or_path!r}: none of its {len(ds)} rows has a gold answer in "
+                             f"the columns {_SOLUTION_COLUMNS}")
+        ds = ds.select(keep)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     return ds.map(lambda row: {"prompt": [{"role": "system", "content": SYSTEM_PROMPT},

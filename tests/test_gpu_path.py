@@ -1,0 +1,68 @@
+"""GPU-path wiring checked on CPU: ZeRO-3 load order, the sweep's vllm_mode rule, the emulated engine under
+a device context."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from roundalign.config import ConfigError, build_config
+from roundalign.sweep import Sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_grpo_args_exist_before_the_model_is_loaded(tmp_path, monkeypatch):
+    # Under `accelerate launch` + DeepSpeed, building GRPOConfig registers HfDeepSpeedConfig; only a model loaded
+    # after that is created under zero.Init (zero3_init_flag), so every rank holds a shard, not the whole model.
+    import roundalign.models as models
+    import roundalign.train as train
+    from roundalign.tiny import make_tiny
+
+    model = str(make_tiny("qwen2", tmp_path / "m", hidden=32, layers=1))
+    order = []
+    real_args = train.build_grpo_args
+    monkeypatch.setattr(train, "build_grpo_args", lambda *a, **k: (order.append("args"), real_args(*a, **k))[1])
+
+    def load_model(*a, **k):
+        order.append("model")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    cfg = build_config(overrides={"model": model})
+    with pytest.raises(RuntimeError, match="stop here"):
+        train._build_trainer(cfg, tmp_path / "ck", None, {}, (), lambda *_: None)
+    assert order == ["args", "model"]
+
+
+def _paper():
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((ROOT / "configs/paper.yaml").read_text())
+    validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
+    return cfg
+
+
+def test_sweep_refuses_vllm_server_mode_naming_the_model():
+    cfg = _paper()
+    Sweep(cfg)
+    cfg["models"]["qwen3-4b-base"]["train"]["vllm_mode"] = "server"
+    with pytest.raises(ConfigError, match=r"models\.qwen3-4b-base: vllm_mode 'server' is not supported"):
+        Sweep(cfg)
+
+
+def test_paper_probes_run_on_one_gpu_of_each_models_kind():
+    sweep = Sweep(_paper())
+    assert sweep.probe_resources("qwen25-math-7b") == {"gpu": 1, "gpu_model": "h100", "cpus_per_gpu": 8,
+                                                      "mem_mb": 256000, "runtime": 120}
+    smoke = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
+    from snakemake.utils import validate
+
+    validate(smoke, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
+    name = next(iter(smoke["models"]))
+    assert Sweep(smoke).probe_resources(name)["gpu"] == 0  # tiny models keep the CPU probe
+    cfg = _paper()
+    cfg["models"]["qwen3-1.7b-base"]["gpus"] = 0
+    cfg["models"]["qwen3-1.7b-base"]["train"] = {"backend": "emulated"}
+    with pytest.raises(ConfigError, match=r"models\.qwen3-1\.7b-base\.gpus=0: probe\.backend 'vllm'"):
+        Sweep(cfg)

@@ -1,0 +1,142 @@
+"""The rounding-map guard, against stand-ins of a built ``vllm.LLM`` with vllm 0.31's attribute paths and the
+values its VllmConfig.__post_init__ resolves (no vLLM needed), and against the real classes where installed."""
+
+import enum
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from roundalign import vllm_guard as G
+
+
+class CompilationMode(enum.IntEnum):  # vllm/config/compilation.py:37-51
+    NONE = 0
+    STOCK_TORCH_COMPILE = 1
+    DYNAMO_TRACE_ONCE = 2
+    VLLM_COMPILE = 3
+
+
+class CUDAGraphMode(enum.Enum):  # vllm/config/compilation.py:53-60
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_AND_PIECEWISE = (2, 1)
+
+
+def fake_llm(*, eager=False, tp=1, hopper_flashinfer=False, graph_partition=False, custom_ops=None,
+             rms_priority=None):
+    """A stand-in for ``vllm.LLM(...)`` after construction, resolved the way vllm 0.31 resolves it on CUDA:
+    mode VLLM_COMPILE at -O2 unless enforce_eager (vllm/config/vllm.py:1694-1696, 1775-1779), custom_ops
+    'none' under Inductor else 'all' (vllm.py:1787-1794), IR priority ['native'] under Inductor else
+    ['vllm_c', 'native'] (vllm/platforms/cuda.py:730-752), the O2 pass table (vllm.py:300-321) with
+    fuse_allreduce_rms on for TP>1 on Hopper with flashinfer (vllm.py:182-208)."""
+    compiled = not eager
+    prio = rms_priority or (["native"] if compiled else ["vllm_c", "native"])
+    passes = {f: False for f in G.PASS_FIELDS}
+    passes["eliminate_noops"] = True
+    passes["fuse_allreduce_rms"] = tp > 1 and hopper_flashinfer
+    passes["fuse_rope_kvcache_cat_mla"] = True  # `not splitting_ops_contain_kv_cache_update()`: MLA only
+    cc = SimpleNamespace(
+        mode=CompilationMode.VLLM_COMPILE if compiled else CompilationMode.NONE, backend="inductor",
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE if compiled else CUDAGraphMode.NONE,
+        custom_ops=custom_ops if custom_ops is not None else (["none"] if compiled else ["all"]),
+        use_inductor_graph_partition=graph_partition, pass_config=SimpleNamespace(**passes))
+    cfg = SimpleNamespace(
+        compilation_config=cc,
+        kernel_config=SimpleNamespace(ir_op_priority=SimpleNamespace(rms_norm=list(prio),
+                                                                     fused_add_rms_norm=list(prio),
+                                                                     gelu_and_mul_sparse=["triton", "native"])),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        model_config=SimpleNamespace(enforce_eager=eager))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg))
+    return SimpleNamespace(llm=llm)  # as TRL's VLLMGeneration holds it
+
+
+def settings(llm):
+    return G.engine_settings(llm, vllm_version="0.31.0")
+
+
+def test_default_engines_match_their_maps_and_settings_are_json():
+    comp, eager = settings(fake_llm()), settings(fake_llm(eager=True))
+    assert G.map_problems(comp, "vllm-compiled") == []
+    assert G.map_problems(eager, "vllm-eager") == []
+    assert comp["compilation_mode"] == "VLLM_COMPILE" and comp["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert eager["ir_op_priority_rms_norm"] == ["vllm_c", "native"] and eager["custom_rotary_embedding"]
+    json.dumps(comp)  # goes into run.json as is
+    # crossing them is refused both ways
+    assert any("runs compilation mode NONE" in p for p in G.map_problems(eager, "vllm-compiled"))
+    assert any("launch it with enforce_eager" in p for p in G.map_problems(comp, "vllm-eager"))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(graph_partition=True), "use_inductor_graph_partition"),
+    (dict(tp=2, hopper_flashinfer=True), "all-reduce + RMSNorm fusion (tensor_parallel_size=2)"),
+    (dict(custom_ops=["none", "+rotary_embedding"]), "custom op rotary_embedding is enabled"),
+    (dict(rms_priority=["vllm_c", "native"]), "RMSNorm IR priority"),
+])
+def test_compiled_departures_are_named(kwargs, needle):
+    problems = G.map_problems(settings(fake_llm(**kwargs)), "vllm-compiled")
+    assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_tp2_without_the_fusion_is_fine_and_eager_ignores_passes():
+    assert G.map_problems(settings(fake_llm(tp=2)), "vllm-compiled") == []
+    assert G.map_problems(settings(fake_llm(eager=True, tp=2, hopper_flashinfer=True)), "vllm-eager") == []
+
+
+def test_check_raises_before_training_with_every_problem(monkeypatch):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setattr(G.metadata, "version", lambda name: "0.32.0")
+    with pytest.raises(G.EngineMapError) as exc:
+        G.check_engine_map(fake_llm(eager=True), "vllm-compiled", log=lambda *_: None)
+    text = str(exc.value)
+    assert "0.32.0" in text and "VLLM_BATCH_INVARIANT" in text and "compilation mode NONE" in text
+    with pytest.raises(ValueError, match="vllm-compiled"):
+        G.map_problems(settings(fake_llm()), "vllm-fast")
+    with pytest.raises(TypeError, match="VllmConfig"):
+        G.engine_settings(object())
+
+
+def test_trainer_guard_records_and_stops():
+    trainer = SimpleNamespace(vllm_generation=fake_llm())
+    record = G.guard_trainer(trainer, "vllm-compiled", "colocate", log=lambda *_: None)
+    assert record["checked"] and record["compilation_mode"] == "VLLM_COMPILE"
+    with pytest.raises(G.EngineMapError, match="vllm-eager"):
+        G.guard_trainer(trainer, "vllm-eager", "colocate", log=lambda *_: None)
+    server = G.guard_trainer(SimpleNamespace(vllm_generation=SimpleNamespace()), "vllm-compiled", "server",
+                             log=lambda *_: None)
+    assert server == {"checked": False, "reason": server["reason"]} and "server" in server["reason"]
+
+
+def test_custom_op_rule_mirrors_vllm():
+    assert G.custom_op_enabled(["none", "+rotary_embedding"], "rotary_embedding")
+    assert not G.custom_op_enabled(["all", "-rotary_embedding"], "rotary_embedding")
+    with pytest.raises(ValueError):
+        G.custom_op_enabled(["+rms_norm"], "rms_norm")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (GPU extra)")
+def test_real_vllm_classes_have_the_fields_the_guard_reads():
+    from vllm.config import CompilationConfig, KernelConfig, ParallelConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode, PassConfig
+    from vllm.config.kernel import IrOpPriorityConfig
+    from vllm.config.model import ModelConfig
+    import inspect
+
+    from vllm.entrypoints.llm import LLM
+
+    def fields(cls):
+        return set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "model_fields", {}))
+
+    assert {"compilation_config", "kernel_config", "parallel_config", "model_config"} <= fields(VllmConfig)
+    assert {"mode", "backend", "cudagraph_mode", "custom_ops", "use_inductor_graph_partition",
+            "pass_config"} <= fields(CompilationConfig)
+    assert set(G.PASS_FIELDS) <= fields(PassConfig)
+    assert {"rms_norm", "fused_add_rms_norm"} <= fields(IrOpPriorityConfig)
+    assert "ir_op_priority" in fields(KernelConfig) and "tensor_parallel_size" in fields(ParallelConfig)
+    assert "enforce_eager" in fields(ModelConfig)
+    assert CompilationMode.VLLM_COMPILE == G.VLLM_COMPILE and CompilationMode.NONE == G.COMPILE_NONE
+    assert CUDAGraphMode.NONE.name == "NONE"
+    assert "self.llm_engine" in inspect.getsource(LLM.__init__)
