@@ -24,6 +24,9 @@ ETC_CONF=/etc/slurm/slurm.conf
 say() { echo "slurm-local: $*"; }
 die() { echo "slurm-local: cannot $ACTION: $*" >&2; exit 2; }
 
+# nproc obeys OMP_NUM_THREADS (the Makefile sets it to 1): count the cores without it
+cores() { env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc; }
+
 alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
 
 # pid recorded for a daemon name, if that process is still alive and still is that daemon
@@ -44,7 +47,7 @@ write_config() {
     # $1: target directory. Prints nothing; writes slurm.conf and gres.conf there.
     local dir="$1" host cpus mem
     host=$(hostname -s)
-    cpus=$(( $(nproc) * 2 ))
+    cpus=$(( $(cores) * 2 ))
     mem=$(slurmd -C 2>/dev/null | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
     [ -n "$mem" ] || mem=$(free -m | awk '/^Mem:/ {print $2}')
     # leave a little memory to the OS so the node is never "low RealMemory" drained
@@ -179,7 +182,7 @@ up() {
         sleep 0.1
     done
     [[ "$state" == idle* ]] || die "the node did not become idle (state '$state'); see $STATE/slurmctld.log and $STATE/slurmd.log"
-    say "up: node $(hostname -s) idle, $(( $(nproc) * 2 )) CPUs (2 per core), 2 fake GPUs; export SLURM_CONF=$CONF"
+    say "up: node $(hostname -s) idle, $(( $(cores) * 2 )) CPUs (2 per core), 2 fake GPUs; export SLURM_CONF=$CONF"
 }
 
 down() {
