@@ -1,11 +1,14 @@
 # Two commands do all set-up on a fresh CPU machine (Python 3.11 + pip, no conda):
 #   make demo     -> creates .venv, installs, runs the CPU smoke sweep end to end under the name "demo"
 #                    (results/demo, figures/demo; the committed results/smoke came from `snakemake --cores 2`)
-#   make test     -> creates .venv if needed, installs, runs the whole test suite
+#   make test     -> creates .venv if needed, installs, runs the whole test suite; as root (apt) it first starts
+#                    a throwaway one-node SLURM for tests/test_slurm.py and stops it afterwards, pass or fail
+#                    (without one those tests skip, naming `make slurm-up`; under CI=true they fail instead)
 # and:
 #   make figures  -> figures/ from the committed aggregate tables only (no training)
 #   make report   -> report.html (snakemake --report) for the smoke sweep
 #   make bench    -> the benchmarks whose output is recorded under results/bench/
+#   make slurm-up / slurm-down -> that one-node SLURM (scripts/slurm_local.sh; root; installs slurm-wlm + munge)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -17,7 +20,7 @@ export OMP_NUM_THREADS ?= 1
 # Snakemake's shell rules run `python -m roundalign` from PATH
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install test demo figures report bench clean
+.PHONY: install test demo figures report bench clean slurm-up slurm-down
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,8 +32,32 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+SLURM_LOCAL := scripts/slurm_local.sh
+export ROUNDALIGN_SLURM_DIR ?= /tmp/roundalign-slurm
+
+# Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
+# yet; stop it afterwards only if this run started it, keeping pytest's exit status.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	@started=0; \
+	if [ "$$(id -u)" = 0 ] && { command -v slurmctld >/dev/null || command -v apt-get >/dev/null; } \
+	        && ! $(SLURM_LOCAL) status >/dev/null 2>&1; then \
+	    t0=$$(date +%s.%N); \
+	    if $(SLURM_LOCAL) up; then started=1; else echo "make test: local SLURM did not start; its tests will skip (fail under CI)"; fi; \
+	    echo "make test: slurm-up took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
+	fi; \
+	[ -n "$${SLURM_CONF:-}" ] || [ ! -f $(ROUNDALIGN_SLURM_DIR)/slurm.conf ] || export SLURM_CONF=$(ROUNDALIGN_SLURM_DIR)/slurm.conf; \
+	rc=0; $(BIN)/python -m pytest -q --durations=10 || rc=$$?; \
+	if [ $$started = 1 ]; then \
+	    t0=$$(date +%s.%N); $(SLURM_LOCAL) down; \
+	    echo "make test: slurm-down took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
+	fi; \
+	exit $$rc
+
+slurm-up:
+	$(SLURM_LOCAL) up
+
+slurm-down:
+	$(SLURM_LOCAL) down
 
 demo: $(STAMP)
 	$(BIN)/snakemake --cores 2 --config sweep=demo
