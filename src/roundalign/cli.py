@@ -66,7 +66,7 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--engine", default="vllm-compiled", help=f"engine rounding: {', '.join(ENGINES)}")
     pr.add_argument("--attn", default="eager", help=f"attention on both sides: {', '.join(ATTN_IMPLS)}")
     pr.add_argument("--engine-gemm", default="same", help=f"engine GEMMs: {', '.join(ENGINE_GEMMS)}")
-    pr.add_argument("--splitk-chunk", type=int, default=64, help="K-chunk of the splitk GEMM, elements (default 64)")
+    pr.add_argument("--splitk-chunk", type=int, default=64, help="K-chunk of the splitk GEMM (partials stored in bf16), elements (default 64)")
     pr.add_argument("--variants", type=_csv_list, default=VARIANTS,
                     help=f"comma-separated trainer variants (default all: {','.join(VARIANTS)})")
     pr.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")

@@ -41,7 +41,7 @@ class ProbeConfig:
         model: local model directory (or a hub id available in the local cache).
         engine: engine rounding to emulate: "vllm-compiled" or "vllm-eager".
         attn: attention implementation on both sides: "eager" or "sdpa".
-        engine_gemm: "same" (the trainer's GEMMs) or "splitk" (fp32 K-chunk accumulation).
+        engine_gemm: "same" (the trainer's GEMMs) or "splitk" (split-K, partials stored in bf16).
         variants: trainer alignment variants to compare.
         num_prompts: number of prompts (one completion each).
         max_new_tokens: completion length cap, in tokens.

@@ -73,16 +73,28 @@ def _(x, w, b):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-@torch.library.custom_op("roundalign::linear_splitk", mutates_args=())
-def _linear_splitk(x: Tensor, w: Tensor, b: Optional[Tensor], chunk: int) -> Tensor:
-    """fp32 accumulation over K chunks, summed in chunk order, one rounding: another GEMM summation order."""
+def splitk_linear(x: Tensor, w: Tensor, b: Optional[Tensor], chunk: int) -> Tensor:
+    """A split-K GEMM with reduced-precision reduction: each K-chunk's partial product is accumulated in
+    fp32 and stored in the output dtype, the partials are summed in fp32 in chunk order and rounded once.
+
+    This is the split-K reduction cuBLAS may pick for bf16 GEMMs while PyTorch's default
+    ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True`` allows it (partials in
+    the output type). An fp32 workspace alone would hardly differ from one fp32 accumulation: products of
+    bf16 values are exact in fp32 and short fp32 sums of them are mostly exact too, so on the tiny models
+    such a kernel left no mismatch at all; rounding the partials is what makes split-K a mismatch source.
+    """
     acc = None
     for k0 in range(0, x.shape[-1], chunk):
-        part = x[..., k0:k0 + chunk].float() @ w[:, k0:k0 + chunk].float().T
+        part = (x[..., k0:k0 + chunk].float() @ w[:, k0:k0 + chunk].float().T).to(x.dtype).float()
         acc = part if acc is None else acc + part
     if b is not None:
         acc = acc + b.float()
     return acc.to(x.dtype)
+
+
+@torch.library.custom_op("roundalign::linear_splitk", mutates_args=())
+def _linear_splitk(x: Tensor, w: Tensor, b: Optional[Tensor], chunk: int) -> Tensor:
+    return splitk_linear(x, w, b, chunk)
 
 
 @_linear_splitk.register_fake

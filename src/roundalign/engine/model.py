@@ -11,7 +11,8 @@ What it emulates (and what it does not):
   the patches' wiring (fusion boundaries, where the residual is read), not a tautology.
 - GEMMs: ``same`` runs the trainer's own ``F.linear`` on the same weights (separate q/k/v and
   gate/up projections, as HF does) so that the regions are the only difference; ``splitk``
-  accumulates in fp32 over K chunks and rounds once, standing in for inference kernels that sum in
+  is a split-K GEMM whose per-chunk partials are stored in bf16 (cuBLAS's reduced-precision split-K
+  reduction, which PyTorch allows by default for bf16), standing in for inference kernels that sum in
   another order (vLLM's merged QKV / gate-up GEMMs, split-K decode kernels).
 - Attention: ``eager`` is HF's eager formula (bf16 scores, fp32 softmax); ``sdpa`` is
   ``F.scaled_dot_product_attention`` (prefill causal, decode one query against the cache).
@@ -155,14 +156,7 @@ class EngineModel:
     def _linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         if self.gemm == "same":
             return F.linear(x, w, b)
-        # fp32 accumulation over K chunks, summed in chunk order, one rounding at the end
-        acc = None
-        for k0 in range(0, x.shape[-1], self.splitk_chunk):
-            part = x[..., k0:k0 + self.splitk_chunk].float() @ w[:, k0:k0 + self.splitk_chunk].float().T
-            acc = part if acc is None else acc + part
-        if b is not None:
-            acc = acc + b.float()
-        return acc.to(x.dtype)
+        return compiled.splitk_linear(x, w, b, self.splitk_chunk)
 
     # The hand-modelled path below is the ``vllm-eager`` engine (vLLM 0.31's CUDA custom ops): RoPE and
     # RMSNorm round once (fp32 inside), ``fused_add_rms_norm`` reads the rounded bf16 sum, ``silu_and_mul``
