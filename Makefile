@@ -46,7 +46,7 @@ test: $(STAMP)
 	    echo "make test: slurm-up took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
 	fi; \
 	[ -n "$${SLURM_CONF:-}" ] || [ ! -f $(ROUNDALIGN_SLURM_DIR)/slurm.conf ] || export SLURM_CONF=$(ROUNDALIGN_SLURM_DIR)/slurm.conf; \
-	rc=0; $(BIN)/python -m pytest -q --durations=10 || rc=$$?; \
+	rc=0; $(BIN)/python -m pytest -q --durations=30 || rc=$$?; \
 	if [ $$started = 1 ]; then \
 	    t0=$$(date +%s.%N); $(SLURM_LOCAL) down; \
 	    echo "make test: slurm-down took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
