@@ -10,8 +10,9 @@ compiled into one fused kernel per region (``full/compiled``). Variants are inte
 median over rounds and the spread (min/max of per-round ratios). Goal: full/baseline <= 1.05.
 
 Part 2: the offline probe's baseline/full mismatch ratios (k3 and mean |delta logp|) on tiny models
-under each kernel setting (eager+same GEMMs, eager+split-K GEMMs, sdpa), and for RoPE at far
-positions (2048 context tokens, outlier q/k channels).
+against both engine modes with equal kernels, then under each extra kernel difference (Inductor's own
+RMSNorm reduction, split-K GEMMs with bf16 partials, sdpa), and at far positions (2048 context tokens,
+outlier q/k channels).
 
 Timings are wall clock on this machine with one torch thread; they are not asserted by tests.
 """
@@ -84,26 +85,34 @@ def part1(out, root: Path, rounds: int, seq: int) -> None:
 
 
 def part2(out, root: Path) -> None:
-    print("\n## Part 2: probe at identical weights, baseline/full ratios (8 prompts x 16 tokens, "
-          "vllm-compiled engine)", file=out)
-    settings = [("eager", "same", 0, 1.0), ("eager", "splitk", 0, 1.0), ("sdpa", "same", 0, 1.0),
-                ("eager", "splitk", 2048, 8.0)]
-    print(f"{'model':20} {'attn':5} {'gemm':6} {'ctx':>5} {'k3 base':>10} {'k3 full':>10} {'k3 ratio':>9} "
-          f"{'|d| base':>9} {'|d| full':>9} {'exact full':>10} {'k3 rope/base':>12}", file=out)
+    print("\n## Part 2: probe at identical weights, baseline/full ratios (8 prompts x 16 tokens; engine "
+          "vllm-compiled = Inductor-compiled pieces, vllm-eager = hand-modelled CUDA ops; split-K: 16-element "
+          "chunks, partials stored in bf16; norm red. = who reduces the RMSNorm mean in the compiled engine)",
+          file=out)
+    # engine, attention, GEMM, norm reduction, context tokens, q/k outlier scale
+    settings = [("vllm-compiled", "eager", "same", "opaque", 0, 1.0), ("vllm-eager", "eager", "same", "opaque", 0, 1.0),
+                ("vllm-compiled", "eager", "same", "inductor", 0, 1.0),
+                ("vllm-compiled", "eager", "splitk", "opaque", 0, 1.0), ("vllm-compiled", "sdpa", "same", "opaque", 0, 1.0),
+                ("vllm-compiled", "eager", "splitk", "opaque", 2048, 8.0)]
+    print(f"{'model':20} {'engine':13} {'attn':5} {'gemm':6} {'norm red.':9} {'ctx':>5} {'k3 base':>10} "
+          f"{'k3 full':>10} {'k3 ratio':>9} {'|d| base':>9} {'|d| full':>9} {'exact full':>10} {'k3 rope/base':>12}",
+          file=out)
     for arch in ("qwen2", "qwen3"):
-        for attn, gemm, ctx, outlier in settings:
+        for engine, attn, gemm, red, ctx, outlier in settings:
             name = f"tiny-{arch}" + (f"-outlier{outlier:g}" if outlier != 1.0 else "")
             mdir = root / name
             if not mdir.exists():
                 make_tiny(arch, mdir, hidden=128, layers=4, heads=4, kv_heads=2, seed=0, qk_outlier_scale=outlier)
-            cfg = ProbeConfig(model=str(mdir), attn=attn, engine_gemm=gemm, variants=("baseline", "rope", "full"),
-                              num_prompts=8, max_new_tokens=16, context_tokens=ctx, splitk_chunk=16)
+            cfg = ProbeConfig(model=str(mdir), engine=engine, attn=attn, engine_gemm=gemm, norm_reduction=red,
+                              variants=("baseline", "rope", "full"), num_prompts=8, max_new_tokens=16,
+                              context_tokens=ctx, splitk_chunk=16)
             with redirect_stdout(io.StringIO()):
-                table, _ = run_probe(cfg, root / f"probe-{name}-{attn}-{gemm}-{ctx}.csv", log=lambda *_: None)
+                table, _ = run_probe(cfg, root / f"probe-{name}-{engine}-{attn}-{gemm}-{red}-{ctx}.csv",
+                                     log=lambda *_: None)
             tok = table[table.level == "token"].pivot(index="variant", columns="metric", values="value")
             k3b, k3f, k3r = (tok.loc[v, "mismatch_k3"] for v in ("baseline", "full", "rope"))
             ratio = f"{k3b / k3f:9.1f}" if k3f > 0 else "  inf(=0)"
-            print(f"{name:20} {attn:5} {gemm:6} {ctx:5d} {k3b:10.3e} {k3f:10.3e} {ratio} "
+            print(f"{name:20} {engine:13} {attn:5} {gemm:6} {red:9} {ctx:5d} {k3b:10.3e} {k3f:10.3e} {ratio} "
                   f"{tok.loc['baseline', 'logp_abs_diff_mean']:9.2e} {tok.loc['full', 'logp_abs_diff_mean']:9.2e} "
                   f"{tok.loc['full', 'tokens_exact_frac']:10.3f} {k3r / k3b:12.3f}", file=out, flush=True)
 

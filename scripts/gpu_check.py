@@ -24,7 +24,13 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
     variant (``baseline``, and ``apply_alignment(model, v, "vllm-compiled")`` for the others), interleaved
     round-robin after warm-up, timed with synchronisation; median over rounds, ratio to baseline, peak
     memory per variant.
-(c) A table on stdout, and ``gpu_check.json`` + ``gpu_check.md`` in ``--out``.
+(c) Piecewise engine. The emulated ``vllm-compiled`` engine (``roundalign.engine.compiled``: each piece between
+    attention calls written as vLLM 0.31 writes Qwen2/Qwen3 and compiled by Inductor, which emits Triton on
+    a GPU) runs one prefill of random token ids on random bf16 Qwen2 and Qwen3 models (non-unit norm weights,
+    q/k/v biases, 4 layers) on the device, against the trainer aligned with ``full`` and with ``baseline``:
+    fraction of logits bitwise equal. On CPU (C++ Inductor) ``full`` is bitwise equal; on a GPU this measures
+    whether Triton's FMA contraction and reduction order leave anything.
+(d) A table on stdout, and ``gpu_check.json`` + ``gpu_check.md`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -266,11 +272,63 @@ def bench_model(device: torch.device, cfg_kwargs: dict, batch: int, seq: int, va
 # (c) report
 
 
+def random_qwen(arch: str, device: torch.device, layers: int, hidden: int, seed: int):
+    """A random bf16 Qwen2/Qwen3 with non-unit norm weights and q/k/v biases (as tests/conftest.py builds it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    heads = max(hidden // 64, 2)
+    cfg = cfg_cls(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden // heads, vocab_size=512,
+                  tie_word_embeddings=False, max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.exp(0.3 * torch.randn_like(p)))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    model = model.to(device=device, dtype=BF16).eval()
+    model.model.rotary_emb.inv_freq = inv_freq.to(device)  # fp32, as from_pretrained and vLLM keep it
+    model.set_attn_implementation("eager")
+    return model
+
+
+def check_piecewise(device: torch.device, tiny: bool, seed: int) -> list[dict]:
+    from roundalign import apply_alignment
+    from roundalign.engine import EngineModel, KVCache
+
+    hidden, seq = (64, 16) if tiny else (1024, 256)
+    rows = []
+    for arch in ("qwen2", "qwen3"):
+        model = random_qwen(arch, device, layers=4, hidden=hidden, seed=seed)
+        ids = torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(seed)).to(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            engine = EngineModel(model, engine="vllm-compiled").forward(ids, KVCache(4))
+        compile_s = time.perf_counter() - t0
+        for variant in ("full", "baseline"):
+            apply_alignment(model, variant, "vllm-compiled")
+            with torch.no_grad():
+                trainer = model(input_ids=ids).logits
+            frac, max_ulp = ulp_stats(trainer, engine)
+            rows.append({"arch": arch, "variant": variant, "frac_bitwise_equal": frac, "max_ulp": max_ulp,
+                         "numel": trainer.numel(), "compile_s": round(compile_s, 1)})
+            print(f"[piecewise] {arch} {variant}: logits bitwise equal on {100 * frac:.4f}%, max {max_ulp} ulp",
+                  flush=True)
+    return rows
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def render_markdown(meta: dict, inductor_rows: list[dict], bench_rows: list[dict]) -> str:
+def render_markdown(meta: dict, inductor_rows: list[dict], bench_rows: list[dict],
+                    piecewise_rows: list[dict] | None = None) -> str:
     lines = ["# roundalign GPU check", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     if inductor_rows:
@@ -288,6 +346,13 @@ def render_markdown(meta: dict, inductor_rows: list[dict], bench_rows: list[dict
             lines.append(f"| {r['variant']} | {r['engine']} | {r['fwd_ms']:.1f} | {r['fwd_ratio']:.3f} | "
                          f"{r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_ratio']:.3f} | "
                          f"{r['fwd_bwd_min_ms']:.1f}-{r['fwd_bwd_max_ms']:.1f} | {_fmt(r['peak_mem_gib'], '.2f')} |")
+    if piecewise_rows:
+        lines += ["", "## (c) Piecewise-compiled engine vs the aligned trainer (one prefill, 4 layers)", "",
+                  "| arch | trainer variant | logits bitwise equal | max ulp | elements | engine compile+run s |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in piecewise_rows:
+            lines.append(f"| {r['arch']} | {r['variant']} | {100 * r['frac_bitwise_equal']:.4f}% | {r['max_ulp']} "
+                         f"| {r['numel']} | {r['compile_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -336,6 +401,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--skip-inductor", action="store_true", help="skip part (a), the Inductor comparison")
     p.add_argument("--skip-bench", action="store_true", help="skip part (b), the model timing")
+    p.add_argument("--skip-piecewise", action="store_true", help="skip part (c), the piecewise engine check")
     return p.parse_args(argv)
 
 
@@ -374,12 +440,18 @@ def main(argv=None) -> int:
         bench_rows = bench_model(device, MODELS[size], batch, seq, variants, args.engine, args.warmup, rounds,
                                  args.attn, args.seed)
         meta["bench_s"] = round(time.perf_counter() - t0, 1)
+    piecewise_rows: list[dict] = []
+    if not args.skip_piecewise:
+        t0 = time.perf_counter()
+        piecewise_rows = check_piecewise(device, args.tiny, args.seed)
+        meta["piecewise_check_s"] = round(time.perf_counter() - t0, 1)
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
 
-    md = render_markdown(meta, inductor_rows, bench_rows)
+    md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows)
     print(md)
     (out / "gpu_check.md").write_text(md)
-    (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows},
+    (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows,
+                                                    "piecewise": piecewise_rows},
                                                    indent=2, default=str) + "\n")
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     return 0

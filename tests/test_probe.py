@@ -74,6 +74,8 @@ def test_bad_input_fails_before_loading(tiny_models, tmp_path, capsys):
     assert "vllm-compiled, vllm-eager" in capsys.readouterr().err
     assert main(["probe", "--model", str(tiny_models["qwen2"]), "--attn", "flash", "--out", str(out)]) == 2
     assert "eager, sdpa" in capsys.readouterr().err
+    assert main(["probe", "--model", str(tiny_models["qwen2"]), "--norm-reduction", "fast", "--out", str(out)]) == 2
+    assert "opaque, inductor" in capsys.readouterr().err
     assert not out.exists()
 
 

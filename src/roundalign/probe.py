@@ -27,6 +27,7 @@ import torch
 from . import metrics as M
 from .engine import ATTN_IMPLS, ENGINE_GEMMS, Engine
 from .engine.model import check_choice
+from .engine.compiled import NORM_REDUCTIONS
 from .envinfo import environment_info
 from .io import atomic_write_csv, atomic_write_json, check_writable
 from .numerics import apply_alignment
@@ -50,6 +51,8 @@ class ProbeConfig:
         context_tokens: random filler tokens put before each prompt, to probe at realistic positions
             (RoPE's rounding differences grow with position).
         splitk_chunk: K-chunk size of the "splitk" engine GEMM, in elements.
+        norm_reduction: ``vllm-compiled`` only: "opaque" (the RMSNorm mean reduction runs the trainer's eager
+            kernel) or "inductor" (Inductor reduces it itself, in its own summation order).
         dtype: model dtype: "bf16", "fp16" or "fp32".
     """
 
@@ -64,12 +67,14 @@ class ProbeConfig:
     temperature: float = 1.0
     context_tokens: int = 0
     splitk_chunk: int = 64
+    norm_reduction: str = "opaque"
     dtype: str = "bf16"
 
     def __post_init__(self):
         check_engine(self.engine)
         check_choice("attention implementation", self.attn, ATTN_IMPLS)
         check_choice("engine GEMM", self.engine_gemm, ENGINE_GEMMS)
+        check_choice("engine norm reduction", self.norm_reduction, NORM_REDUCTIONS)
         if not self.variants:
             raise ValueError("give at least one variant")
         for v in self.variants:
@@ -207,12 +212,13 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
     label = model_label(cfg.model)
-    engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk)
+    engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
+                    norm_reduction=cfg.norm_reduction)
     prompts = _prompts(tokenizer, cfg)
     samples = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=cfg.seed, eos_token_id=tokenizer.eos_token_id, record_layer_states=True)
     n_tok = sum(len(s.completion_ids) for s in samples)
-    log(f"[probe] {label}: engine {cfg.engine} (attn={cfg.attn}, gemm={cfg.engine_gemm}) sampled {len(samples)} "
+    log(f"[probe] {label}: engine {cfg.engine} (attn={cfg.attn}, gemm={cfg.engine_gemm}, norm reduction={cfg.norm_reduction}) sampled {len(samples)} "
         f"completions, {n_tok} tokens, prompt length {min(map(len, prompts))}-{max(map(len, prompts))} "
         f"({time.perf_counter() - t0:.1f}s)")
     rows, layer_rows = compare_variants(model, samples, cfg, label, cfg.engine, log)
