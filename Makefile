@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_numerics.py --out results/bench/numerics.txt
 	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
 	$(BIN)/python scripts/bench_workflow.py --out results/bench/workflow.txt
+	$(BIN)/python scripts/bench_memory.py --out results/bench/memory.txt
 
 clean:
 	rm -rf $(VENV) $(WORK) .pytest_cache

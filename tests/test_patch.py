@@ -196,3 +196,52 @@ def test_compiled_region_kernels_match_the_eager_reference():
     assert all(torch.isfinite(g).all() for g in grads.values())
     with pytest.raises(ValueError, match=r"unknown region kernel mode 'triton'.*eager, compiled"):
         apply_alignment(eager, "full", kernels="triton")
+
+
+def _regions_first_and_second_order(fn, inputs, g):
+    out = fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    first = torch.autograd.grad(out, inputs, g.to(out.dtype), create_graph=True)
+    second = torch.autograd.grad(sum((d.float() ** 2).sum() for d in first), inputs)
+    return first, second
+
+
+def test_region_nodes_have_the_formulas_gradients_and_second_order():
+    # Each aligned region is one autograd node that saves its inputs and recomputes the fp32 formula in backward
+    # (to save memory); its first and second derivatives must be bitwise those of plain autograd on the formula.
+    from roundalign.numerics import regions as R
+
+    K = R.region_kernels("eager")
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16  # (fp32 inputs bypass the node: nothing to save there, see regions._one_node)
+    x = torch.randn(2, 5, 4, 16, generator=gen).to(dtype).requires_grad_()
+    x32 = torch.randn(2, 5, 4, 16, generator=gen).requires_grad_()  # an unrounded fp32 sum into a bf16 norm
+    r = torch.randn(2, 5, 4, 16, generator=gen).to(dtype).requires_grad_()
+    w = torch.exp(0.3 * torch.randn(16, generator=gen)).to(dtype).requires_grad_()
+    cos, sin = (torch.randn(2, 5, 1, 16, generator=gen).to(dtype) for _ in range(2))
+    g = torch.randn(2, 5, 4, 16, generator=gen)
+    cases = {
+        "swiglu": (R.swiglu_fused, K.swiglu_fused, (x, r)),
+        "rmsnorm": (lambda a, b: R.rmsnorm_fused(a, b, 1e-6), lambda a, b: K.rmsnorm_fused(a, b, eps=1e-6), (x, w)),
+        "rmsnorm_fp32_in": (lambda a, b: R.rmsnorm_fused(a, b, 1e-6), lambda a, b: K.rmsnorm_fused(a, b, eps=1e-6),
+                            (x32, w)),
+        "add_rmsnorm_fp32": (lambda a, b, c: R.add_rmsnorm_fp32_sum(a, b, c, 1e-6),
+                             lambda a, b, c: K.add_rmsnorm_fp32_sum(a, b, c, eps=1e-6), (x, r, w)),
+        "add_rmsnorm_bf16": (lambda a, b, c: R.add_rmsnorm_bf16_sum(a, b, c, 1e-6),
+                             lambda a, b, c: K.add_rmsnorm_bf16_sum(a, b, c, eps=1e-6), (x, r, w)),
+    }
+    for name, (plain, node, inputs) in cases.items():
+        want, got = (_regions_first_and_second_order(f, inputs, g) for f in (plain, node))
+        for a, b in zip(want[0] + want[1], got[0] + got[1]):
+            assert torch.equal(a, b), name
+        assert any(bool((d != 0).any()) for d in got[1]), name  # a real second derivative
+        # plain backward takes another path for SwiGLU (an explicit, memory-lean formula): bitwise too
+        out_plain, out_node = (f(*inputs) for f in (plain, node))
+        out_plain, out_node = (o[0] if isinstance(o, tuple) else o for o in (out_plain, out_node))
+        want1 = torch.autograd.grad(out_plain, inputs, g.to(out_plain.dtype))
+        got1 = torch.autograd.grad(out_node, inputs, g.to(out_node.dtype))
+        assert all(torch.equal(a, b) for a, b in zip(want1, got1)), name
+    # RoPE is linear in x: its node saves only cos/sin; first derivative bitwise, second is zero
+    want = torch.autograd.grad(R.rope_fused(x, cos, sin), x, g.to(dtype))[0]
+    got = torch.autograd.grad(K.rope_fused(x, cos, sin), x, g.to(dtype))[0]
+    assert torch.equal(want, got)

@@ -102,13 +102,15 @@ def rmsnorm_fused(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype 
     return y.to(weight.dtype if out_dtype is None else out_dtype)
 
 
-def add_rmsnorm_fp32_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rmsnorm_fp32_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float, keep_fp32_sum: bool = False
+                         ) -> tuple[Tensor, Tensor]:
     """vLLM compiled ``RMSNorm(x, residual)``: the add happens in fp32 and the norm reads the
     UNROUNDED fp32 sum; the residual stream stored is the sum rounded once (bitwise HF's bf16 add).
 
-    Returns ``(normed, new_residual)``, both in the weight's dtype."""
+    Returns ``(normed, new_residual)``, both in the weight's dtype; with ``keep_fp32_sum=True`` the new
+    residual is the fp32 sum itself (the post-attention sum, which the compiled engine never rounds)."""
     s = x.float() + residual.float()
-    return rmsnorm_fused(s, weight, eps), s.to(residual.dtype)
+    return rmsnorm_fused(s, weight, eps), (s if keep_fp32_sum else s.to(residual.dtype))
 
 
 def add_rmsnorm_bf16_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -129,14 +131,119 @@ def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: 
 # so the fp32 regions cost ~10% more than HF's bf16 ops on CPU). "compiled": the same formulas through
 # torch.compile (Inductor), one fused kernel per region, as vLLM's compiled engine runs them. Inductor
 # may reduce the RMSNorm mean in another order (~1e-5 of elements 1 ulp apart, tests/test_inductor.py).
+#
+# In both modes a region is one autograd node that saves only its inputs (bf16 activations, the norm
+# weight; RoPE saves nothing but cos/sin) and recomputes its fp32 intermediates in backward. Left to
+# autograd, the fp32 formulas keep fp32 copies of everything they touch (SwiGLU: gate, silu(gate) and up in
+# fp32, 12 bytes per intermediate element where HF keeps 6), which made ``full`` keep 27% more activation
+# bytes than ``baseline`` (scripts/bench_memory.py). The backward is autograd of the eager formula,
+# recomputed from the same inputs, so gradients are bitwise those of the plain formula; it is written
+# with differentiable ops, so ``create_graph=True`` / double backward and ``retain_graph=True`` work in
+# both modes. Compiled mode compiles the forward only (it runs under no_grad inside the node), so
+# AOTAutograd's donated buffers, which forbid ``retain_graph``/``create_graph`` in torch 2.13
+# (torch/_functorch/_aot_autograd/runtime_wrappers.py, ``_backward_impl``), never come into play, and its
+# backward is the eager formula's.
 
 KERNEL_MODES = ("eager", "compiled")
 _FUSED = ("rope_fused", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum")
 _KERNEL_CACHE: dict[str, object] = {}
 
 
+class _RecomputeInBackward(torch.autograd.Function):
+    """``kernel(*inputs, **kwargs)`` in forward; in backward, autograd of ``reference(*inputs, **kwargs)``
+    recomputed from the saved inputs (``reference`` is the eager formula ``kernel`` computes)."""
+
+    @staticmethod
+    def forward(ctx, reference, kernel, kwargs, *inputs):
+        ctx.reference, ctx.kwargs = reference, kwargs
+        ctx.save_for_backward(*inputs)
+        return kernel(*inputs, **kwargs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        create_graph = torch.is_grad_enabled()  # backward(create_graph=True): keep the graph to the real inputs
+        if ctx.reference is swiglu_fused and not create_graph:
+            grad_gate, grad_up = _swiglu_fused_backward(grad_outputs[0], *inputs)
+            return None, None, None, grad_gate if needs[0] else None, grad_up if needs[1] else None
+        with torch.enable_grad():
+            if not create_graph:
+                inputs = tuple(x.detach().requires_grad_(n) for x, n in zip(inputs, needs))
+            outs = ctx.reference(*inputs, **ctx.kwargs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs) if o.requires_grad and g is not None]
+        wrt = [x for x, n in zip(inputs, needs) if n]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                         create_graph=create_graph, allow_unused=True))
+        return (None, None, None, *(next(grads) if n else None for n in needs))
+
+
+def _swiglu_fused_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of ``swiglu_fused`` w.r.t. (gate, up): the ops autograd runs on the formula (ToCopy, Mul,
+    SiluBackward, ToCopy), hence the same bits, with each fp32 temporary freed as soon as it is used, so the
+    backward holds at most four fp32 copies of the intermediate activation at once instead of six."""
+    g32 = gate.float()
+    s32 = F.silu(g32)
+    grad32 = grad.float()
+    grad_up = (grad32 * s32).to(up.dtype)
+    del s32
+    grad_s = grad32 * up.float()
+    del grad32
+    return torch.ops.aten.silu_backward(grad_s, g32).to(gate.dtype), grad_up
+
+
+def _rope_fused_backward(grad: Tensor, cos: Tensor, sin: Tensor, x_dtype: torch.dtype) -> Tensor:
+    """d rope_fused / d x applied to ``grad``: RoPE is linear in x, so this needs only cos/sin. Same fp32 ops
+    autograd runs on ``rope_fused`` (each half of x gets two products, summed once), hence the same bits."""
+    gf, cf, sf = grad.float(), cos.float(), sin.float()
+    half = grad.shape[-1] // 2
+    g1, g2 = gf[..., :half], gf[..., half:]
+    c1, c2 = cf[..., :half], cf[..., half:]
+    s1, s2 = sf[..., :half], sf[..., half:]
+    return torch.cat((g1 * c1 + g2 * s2, g2 * c2 - g1 * s1), dim=-1).to(x_dtype)
+
+
+class _RopeFused(torch.autograd.Function):
+    """``rope_fused`` as one node that saves only cos/sin (the model's shared tables), not x."""
+
+    @staticmethod
+    def forward(ctx, kernel, x, cos, sin, out_dtype):
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return kernel(x, cos, sin, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return None, _rope_fused_backward(grad, cos, sin, ctx.x_dtype), None, None, None
+
+
+def _one_node(name: str, kernel):
+    reference = globals()[name]
+    if name == "rope_fused":
+        def rope(x, cos, sin, out_dtype=None):
+            if cos.requires_grad or sin.requires_grad:  # not in HF (cos/sin come from a buffer): keep x too
+                return _RecomputeInBackward.apply(reference, kernel, {"out_dtype": out_dtype}, x, cos, sin)
+            return _RopeFused.apply(kernel, x, cos, sin, out_dtype)
+        return rope
+
+    def region(*inputs, **kwargs):
+        if not all(isinstance(a, Tensor) for a in inputs):  # eps is a float: the node takes tensors positionally
+            raise TypeError(f"{name}: pass non-tensor arguments by keyword in the kernel namespace")
+        if kernel is reference and all(a.dtype == torch.float32 for a in inputs):
+            # fp32 model: the formula makes no fp32 copies to save (``.float()`` is the identity), and plain
+            # autograd accumulates the gradient of an input that also feeds ops outside the region (the residual
+            # stream) in the same order as stock HF; one node would sum the region's share first, which in
+            # fp32 changes the last bit (tests/test_patch.py::test_autograd_fp32_bitwise_equal_to_stock)
+            return reference(*inputs, **kwargs)
+        return _RecomputeInBackward.apply(reference, kernel, kwargs, *inputs)
+    return region
+
+
 def region_kernels(mode: str = "eager"):
-    """Namespace of the fused region functions in ``mode`` (compiled ones are built once per process)."""
+    """Namespace of the fused region functions in ``mode`` (compiled ones are built once per process), each
+    one autograd node that recomputes its fp32 intermediates in backward (see above)."""
     import types
 
     if mode not in KERNEL_MODES:
@@ -145,5 +252,5 @@ def region_kernels(mode: str = "eager"):
         fns = {name: globals()[name] for name in _FUSED}
         if mode == "compiled":
             fns = {name: torch.compile(fn, dynamic=True) for name, fn in fns.items()}
-        _KERNEL_CACHE[mode] = types.SimpleNamespace(mode=mode, **fns)
+        _KERNEL_CACHE[mode] = types.SimpleNamespace(mode=mode, **{n: _one_node(n, f) for n, f in fns.items()})
     return _KERNEL_CACHE[mode]
