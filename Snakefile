@@ -33,3 +33,4 @@ rule all:
     input:
         figure_targets(SWEEP.name),
         aggregate_targets(SWEEP.name),
+        stress_figure_targets(SWEEP.name) if SWEEP.stress else [],

@@ -289,6 +289,10 @@ def _reference(train, engine, mask, entropy, is_clip):
             seqs.append([(tl[b][t], el[b][t]) for t in idx])
 
     tok = stats([a - b for a, b, _ in toks])
+    ratios = [math.exp(a - b) for a, b, _ in toks]
+    mean_ratio = math.fsum(ratios) / len(ratios)
+    tok["is_ratio_std"] = math.sqrt(math.fsum((r - mean_ratio) ** 2 for r in ratios) / len(ratios))
+    tok["token_mult_prob_error"] = math.fsum(math.exp(abs(a - b)) for a, b, _ in toks) / len(toks)
     tok["ppl_train"] = math.exp(-math.fsum(a for a, _, _ in toks) / len(toks))
     tok["ppl_engine"] = math.exp(-math.fsum(b for _, b, _ in toks) / len(toks))
     tok["tokens_exact_frac"] = sum(1 for a, b, _ in toks if a == b) / len(toks)

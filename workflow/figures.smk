@@ -11,6 +11,7 @@ from pathlib import Path
 
 include: "rules/figures_common.smk"
 include: "rules/figures_rule.smk"
+include: "rules/stress_figures_rule.smk"
 
 
 SWEEPS = sorted(
@@ -26,3 +27,8 @@ rule all:
     default_target: True
     input:
         [figure_targets(s) for s in SWEEPS],
+        [
+            stress_figure_targets(s)
+            for s in SWEEPS
+            if Path(f"results/{s}/aggregate/stress_runs.csv").is_file()
+        ],

@@ -107,7 +107,7 @@ def make_parser() -> argparse.ArgumentParser:
                     help="when the run has finished (done or collapsed), copy metrics.jsonl and run.json into DIR "
                          "(atomically; the sweep's declared outputs, kept apart from the checkpoints)")
 
-    pt = sub.add_parser("pretrain-tiny", help="short supervised warm start of a tiny model on arith (TRL SFT)")
+    pt = sub.add_parser("pretrain-tiny", help="short supervised warm start of a tiny model on arith or digits (TRL SFT)")
     pt.add_argument("--model", required=True, help="tiny model directory (from make-tiny)")
     pt.add_argument("--out", required=True, help="output model directory (written atomically)")
     pt.add_argument("--steps", type=int, default=1200, help="optimizer steps (default 1200)")
@@ -115,6 +115,11 @@ def make_parser() -> argparse.ArgumentParser:
     pt.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
     pt.add_argument("--max-operand", type=int, default=49, help="largest arith operand (default 49)")
     pt.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    pt.add_argument("--task", choices=("arith", "digits"), default="arith", help="warm-start task (default arith)")
+    pt.add_argument("--digits-op", choices=("copy", "reverse", "sort"), default="copy", help="task digits: the op")
+    pt.add_argument("--digits-min-len", type=int, default=8, help="task digits: shortest string, digits (default 8)")
+    pt.add_argument("--digits-max-len", type=int, default=32, help="task digits: longest string, digits (default 32)")
+    pt.add_argument("--digits-len-step", type=int, default=1, help="task digits: length step (default 1)")
 
     ag = sub.add_parser("aggregate", help="gather a sweep's per-run and probe files into tidy long CSV tables")
     ag.add_argument("--results", required=True,
@@ -124,6 +129,16 @@ def make_parser() -> argparse.ArgumentParser:
     ag.add_argument("--strict", action="store_true",
                     help="fail (exit 2) naming every bad file; default: skip them with one warning")
     ag.add_argument("--sweep", help="value of the sweep column (default: the results root's directory name)")
+    ag.add_argument("--stress-dose-key", help="stress sweep: also write stress_runs/stress_survival/stress_gap.csv, "
+                                              "with this train setting as the dose column")
+    ag.add_argument("--stress-floor", default="fp32", help="stress: floor variant of the share of gap (default fp32)")
+    ag.add_argument("--stress-gap-metric", default="mismatch/token/logp_abs_diff_mean",
+                    help="stress: metric of the share of gap (default mismatch/token/logp_abs_diff_mean)")
+
+    ps = sub.add_parser("plot-stress", help="figures of a stress sweep from its aggregated stress tables")
+    ps.add_argument("--aggregate", required=True, help="aggregate directory holding stress_*.csv")
+    ps.add_argument("--out", required=True, help="figure directory")
+    ps.add_argument("--formats", default="png,pdf", help="comma-separated formats (default png,pdf)")
 
     pl = sub.add_parser("plot", help="paper figures and summary table from an aggregate directory")
     pl.add_argument("--aggregate", required=True, help="directory written by `roundalign aggregate`")
@@ -204,13 +219,26 @@ def run_pretrain_tiny(args) -> None:
 
     _setup_runtime()
     pretrain_tiny(args.model, args.out, steps=args.steps, learning_rate=args.lr, batch_size=args.batch_size,
-                  max_operand=args.max_operand, seed=args.seed)
+                  max_operand=args.max_operand, seed=args.seed, task=args.task,
+                  digits={"op": args.digits_op, "min_len": args.digits_min_len, "max_len": args.digits_max_len,
+                          "len_step": args.digits_len_step} if args.task == "digits" else None)
 
 
 def run_aggregate(args) -> None:
     from .aggregate import aggregate
 
     aggregate(args.results, args.out, strict=args.strict, sweep=args.sweep)
+    if args.stress_dose_key:
+        from .stress import write_stress_tables
+
+        write_stress_tables(args.results, args.out, args.stress_dose_key, floor=args.stress_floor,
+                            gap_metric=args.stress_gap_metric, sweep=args.sweep)
+
+
+def run_plot_stress(args) -> None:
+    from .plots.stress import make
+
+    make(args.aggregate, args.out, tuple(f for f in args.formats.split(",") if f))
 
 
 def run_plot(args) -> None:
@@ -221,6 +249,7 @@ def run_plot(args) -> None:
 
 VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_cli,
          "pretrain-tiny": run_pretrain_tiny, "aggregate": run_aggregate, "plot": run_plot,
+         "plot-stress": run_plot_stress,
          "fetch-model": run_fetch_model, "prepare-data": run_prepare_data}
 
 

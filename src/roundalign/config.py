@@ -14,12 +14,18 @@ from pathlib import Path
 
 import yaml
 
+from .engine.compiled import NORM_REDUCTIONS
 from .engine.model import ATTN_IMPLS, ENGINE_GEMMS
 from .numerics.plan import ENGINES
 
 BACKENDS = ("emulated", "vllm")
-TASKS = ("arith", "math")
-TRAIN_VARIANTS = ("baseline", "rope", "swiglu", "norm", "full", "tis", "mis", "fp16")
+TASKS = ("arith", "math", "digits")
+DIGITS_OPS = ("copy", "reverse", "sort")
+# fp32-head: LM head and logits in fp32 on both sides (TRL's cast_lm_head_to_fp32; MiniMax-M1's fp32 head), with
+# baseline numerics elsewhere; full+fp32-head adds it to full; fp32: everything in fp32 on both sides, the floor
+# of the share-of-gap metric.
+TRAIN_VARIANTS = ("baseline", "rope", "swiglu", "norm", "full", "tis", "mis", "fp16", "fp32-head", "full+fp32-head",
+                  "fp32")
 VLLM_MODES = ("colocate", "server")
 KERNEL_MODES = ("eager", "compiled")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
@@ -38,16 +44,28 @@ class TrainConfig:
         model: Local model directory or a hub id (hub ids need the hub or a pre-filled HF cache).
         variant: Alignment variant (baseline, rope, swiglu, norm, full) or a remedy of other work:
             tis (token-level truncated importance sampling), mis (sequence-level masked IS),
-            fp16 (policy and engine both in FP16).
+            fp16 (policy and engine both in FP16), fp32-head (LM head and logits in FP32 on both sides),
+            full+fp32-head (both), fp32 (policy and engine in FP32: the floor of the share-of-gap metric).
         seed: Seed of data order, sampling and initialisation of any randomness.
         backend: "emulated" (CPU engine in-process, through TRL's rollout_func) or "vllm" (GPU).
         engine: Engine rounding to align to and, for vllm, the vLLM mode launched:
             "vllm-compiled" (default CUDA-graph/Inductor path) or "vllm-eager" (enforce_eager=True).
         attn: Attention implementation on both sides: "eager" or "sdpa".
         engine_gemm: Emulated engine only: "same" (the trainer's GEMMs) or "splitk".
+        engine_attn_decode: Emulated engine only: attention kernel of decode steps (one new token against the KV
+            cache), "eager" or "sdpa"; None = the same as ``attn`` (prefill always uses ``attn``). A value other
+            than ``attn`` stands in for inference engines that decode with another kernel than they prefill.
+        engine_norm_reduction: Emulated compiled engine only: "opaque" (RMSNorm's mean of squares is the trainer's
+            eager reduction) or "inductor" (Inductor generates that reduction itself, another summation order).
         splitk_chunk: K-chunk of the emulated split-K GEMM, in elements.
         kernels: How aligned regions run in the trainer: "eager" ops or "compiled" (torch.compile).
-        task: "arith" (synthetic arithmetic, exact-match reward) or "math" (dataset + math-verify).
+        task: "arith" (synthetic arithmetic, exact-match reward), "math" (dataset + math-verify) or "digits"
+            (copy/reverse/sort a digit string: long completions, prompts of varying length).
+        digits_op: task=digits: "copy", "reverse" or "sort" the prompt's digit string.
+        digits_min_len: task=digits: shortest digit string, in digits (= tokens).
+        digits_max_len: task=digits: longest digit string, in digits.
+        digits_len_step: task=digits: string lengths are min_len, min_len + step, ..., <= max_len (fewer distinct
+            prompt lengths = fewer engine decode groups per step, since the engine never pads).
         math_dataset: Hub dataset id or local json/jsonl file for task=math.
         math_split: Dataset split for task=math.
         num_train_prompts: Number of distinct prompts in the training set (arith), or a cap (math).
@@ -75,7 +93,7 @@ class TrainConfig:
         is_cap: Truncation cap C of the importance ratio for tis (and upper mask bound for mis).
         is_correction: Apply TRL's vLLM importance-sampling correction; None = only for tis/mis.
         gradient_checkpointing: Recompute activations in backward (saves memory, costs time).
-        dtype: Policy weight dtype; "bf16" except for the fp16 variant (which forces "fp16").
+        dtype: Policy weight dtype; "bf16" except for the fp16 and fp32 variants (which force "fp16" / "fp32").
         checkpoint_every: Save a resumable checkpoint every N optimizer steps.
         keep_checkpoints: Number of most recent checkpoints kept.
         report_to: Logging integrations passed to TRL (e.g. ["tensorboard"], ["wandb"]); none by default.
@@ -83,6 +101,10 @@ class TrainConfig:
         reward_collapse_window: Steps in the rolling reward mean of the reward-collapse detector.
         reward_collapse_drop: Flag reward collapse when the rolling mean falls below this fraction of its
             best value so far (after one full window).
+        reward_collapse_patience: ... for this many consecutive steps (1 = the first such step flags it).
+        grad_norm_collapse_factor: Flag a gradient-norm collapse when the (pre-clipping) gradient norm exceeds this
+            multiple of the median of all earlier steps' norms; 0 = off.
+        grad_norm_collapse_min_steps: Earlier steps needed before the gradient-norm median is trusted.
         vllm_mode: vLLM integration: "colocate" (in-process) or "server" (`trl vllm-serve`).
         vllm_gpu_memory_utilization: Fraction of GPU memory vLLM may take in colocate mode.
         vllm_server_base_url: URL of the vLLM server in server mode (None: host/port defaults).
@@ -97,6 +119,8 @@ class TrainConfig:
     engine: str = "vllm-compiled"
     attn: str = "eager"
     engine_gemm: str = "same"
+    engine_attn_decode: str | None = None
+    engine_norm_reduction: str = "opaque"
     splitk_chunk: int = 64
     kernels: str = "eager"
     task: str = "arith"
@@ -105,6 +129,10 @@ class TrainConfig:
     num_train_prompts: int = 512
     arith_max_operand: int = 49
     prompt_style: str = "fixed"
+    digits_op: str = "copy"
+    digits_min_len: int = 8
+    digits_max_len: int = 32
+    digits_len_step: int = 1
     steps: int = 20
     learning_rate: float = 1e-4
     warmup_steps: int = 0
@@ -130,6 +158,9 @@ class TrainConfig:
     collapse_exit_code: int = 0
     reward_collapse_window: int = 10
     reward_collapse_drop: float = 0.5
+    reward_collapse_patience: int = 1
+    grad_norm_collapse_factor: float = 0.0
+    grad_norm_collapse_min_steps: int = 10
     vllm_mode: str = "colocate"
     vllm_gpu_memory_utilization: float = 0.3
     vllm_server_base_url: str | None = None
@@ -139,15 +170,19 @@ class TrainConfig:
     def __post_init__(self):
         choices = {"variant": TRAIN_VARIANTS, "backend": BACKENDS, "engine": ENGINES, "attn": ATTN_IMPLS,
                    "engine_gemm": ENGINE_GEMMS, "kernels": KERNEL_MODES, "task": TASKS, "vllm_mode": VLLM_MODES,
-                   "dtype": ("bf16", "fp16"), "loss_type": LOSS_TYPES,
-                   "prompt_style": PROMPT_STYLES}
+                   "dtype": ("bf16", "fp16", "fp32"), "loss_type": LOSS_TYPES,
+                   "prompt_style": PROMPT_STYLES, "engine_norm_reduction": NORM_REDUCTIONS, "digits_op": DIGITS_OPS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}")
+        if self.engine_attn_decode is not None and self.engine_attn_decode not in ATTN_IMPLS:
+            raise ConfigError(f"engine_attn_decode={self.engine_attn_decode!r} is not valid; choose one of: "
+                              f"{', '.join(ATTN_IMPLS)} (or none: the same as attn)")
         positive = ("splitk_chunk", "num_train_prompts", "steps", "prompts_per_step", "num_generations",
                     "per_device_batch_size", "max_completion_length",
                     "max_prompt_length", "checkpoint_every", "keep_checkpoints", "reward_collapse_window",
-                    "arith_max_operand", "vllm_tensor_parallel_size")
+                    "arith_max_operand", "vllm_tensor_parallel_size", "digits_min_len", "digits_max_len",
+                    "digits_len_step", "reward_collapse_patience", "grad_norm_collapse_min_steps")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
@@ -156,11 +191,26 @@ class TrainConfig:
                 raise ConfigError(f"{key}={getattr(self, key)} must be > 0")
         if self.num_generations < 2:
             raise ConfigError(f"num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
+        if self.grad_norm_collapse_factor != 0 and not self.grad_norm_collapse_factor > 1:
+            raise ConfigError(f"grad_norm_collapse_factor={self.grad_norm_collapse_factor} must be 0 (off) or > 1")
+        if self.digits_min_len > self.digits_max_len:
+            raise ConfigError(f"digits_min_len={self.digits_min_len} exceeds digits_max_len={self.digits_max_len}")
         if not 0 < self.reward_collapse_drop < 1:
             raise ConfigError(f"reward_collapse_drop={self.reward_collapse_drop} must be in (0, 1)")
         self.gradient_accumulation_steps(world_size=1)
         if self.variant == "fp16" and self.dtype != "fp16":
             object.__setattr__(self, "dtype", "fp16")
+        if self.variant == "fp32" and self.dtype != "fp32":
+            object.__setattr__(self, "dtype", "fp32")
+        if self.dtype == "fp32" and self.variant != "fp32":
+            raise ConfigError(f"dtype=fp32 is the fp32 floor run: use variant fp32 (got variant {self.variant!r})")
+        if self.backend == "vllm" and (self.lm_head_fp32 or self.engine_attn_decode or
+                                       self.engine_norm_reduction != "opaque"):
+            raise ConfigError(f"variant={self.variant!r}, engine_attn_decode, engine_norm_reduction: emulated engine only "
+                              "(backend vllm runs vLLM's own kernels and LM head)")
+        if self.task == "digits" and self.max_completion_length < self.digits_max_len + 1:
+            raise ConfigError(f"max_completion_length={self.max_completion_length} cannot hold the longest digits "
+                              f"answer (digits_max_len={self.digits_max_len} digits + end of text)")
         if self.task == "arith" and self.num_train_prompts > (self.arith_max_operand + 1) ** 2 * 2:
             raise ConfigError(f"num_train_prompts={self.num_train_prompts} exceeds the distinct arith problems "
                               f"with arith_max_operand={self.arith_max_operand}")
@@ -170,7 +220,14 @@ class TrainConfig:
     @property
     def alignment(self) -> str:
         """The numerics variant applied to the policy: the IS remedies and fp16 keep baseline numerics."""
+        if self.variant == "full+fp32-head":
+            return "full"
         return self.variant if self.variant in ("baseline", "rope", "swiglu", "norm", "full") else "baseline"
+
+    @property
+    def lm_head_fp32(self) -> bool:
+        """LM head weight and logits in fp32 on both sides (trainer: TRL's cast_lm_head_to_fp32)."""
+        return self.variant.endswith("fp32-head")
 
     @property
     def use_is_correction(self) -> bool:

@@ -31,8 +31,10 @@ import torch
 __all__ = [
     "METRIC_NAMES_SEQUENCE",
     "METRIC_NAMES_TOKEN",
+    "VERL_HEALTH_THRESHOLDS",
     "flatten_metrics",
     "mismatch_metrics",
+    "verl_health_flags",
 ]
 
 # Statistics computed the same way on a vector of log-ratios, whether per token or per sequence.
@@ -54,6 +56,8 @@ _DELTA_STATS = (
 #: Every key ``mismatch_metrics(...)["token"]`` can hold, in a stable order.
 #: ``k3_over_entropy`` is present only when ``entropy`` is passed.
 METRIC_NAMES_TOKEN: tuple[str, ...] = _DELTA_STATS + (
+    "is_ratio_std",
+    "token_mult_prob_error",
     "ppl_train",
     "ppl_engine",
     "tokens_exact_frac",
@@ -195,6 +199,13 @@ def mismatch_metrics(
 
     # ---- token level: all masked tokens pooled ----
     token = _delta_stats(delta[mask], is_clip)
+    rho_tok = torch.exp(delta[mask])
+    # population std of the token ratios (verl's rollout_is_std, without its clamping to the IS thresholds)
+    token["is_ratio_std"] = (rho_tok.square().mean() - rho_tok.mean().square()).clamp(min=0).sqrt()
+    # NeMo-RL's token_mult_prob_error: mean over tokens of exp(|logp_gen - logp_train|), >= 1, 1 = identical.
+    # NVIDIA-NeMo/RL nemo_rl/algorithms/loss_functions.py, ClippedPGLossFn.__call__ (read at commit 005a098a):
+    # lp_error = abs(generation_logprobs - prev_logprobs); masked_mean(exp(lp_error * mask), mask).
+    token["token_mult_prob_error"] = torch.exp(delta[mask].abs()).mean()
     token["ppl_train"] = torch.exp(-t64[mask].mean())
     token["ppl_engine"] = torch.exp(-e64[mask].mean())
     token["tokens_exact_frac"] = exact[mask].to(_F64).mean()
@@ -222,6 +233,38 @@ def mismatch_metrics(
         "token": {k: token[k] for k in METRIC_NAMES_TOKEN if k in token},
         "sequence": {k: sequence[k] for k in METRIC_NAMES_SEQUENCE},
     }
+
+
+#: verl's rollout-correction health thresholds, from ``check_rollout_correction_health`` in volcengine/verl
+#: docs/algo/rollout_corr.md (read at commit b54386e4): warn when the mean IS weight is < 0.5 or > 2.0, the
+#: effective sample size < 0.3, the IS weight std > 1.0, |kl| > 0.1, or chi2_token > 1.0. verl's definitions
+#: (``compute_offpolicy_metrics`` / ``compute_rollout_correction_and_rejection_mask`` in
+#: verl/trainer/ppo/rollout_corr_helper.py): kl = mean(logp_rollout - logp_training) = our k1;
+#: chi2_token = mean(ratio^2) - 1 = our token chi2; ESS = 1 / mean((w / mean w)^2) = our ess_frac. Differences:
+#: verl clamps the weights to its IS thresholds before the ESS and std; we use the raw token ratios (on the
+#: small mismatch measured here the two agree: no ratio is near a threshold unless a check already fails).
+VERL_HEALTH_THRESHOLDS = {"is_mean_low": 0.5, "is_mean_high": 2.0, "ess_min": 0.3, "is_std_max": 1.0,
+                          "abs_kl_max": 0.1, "chi2_token_max": 1.0}
+
+
+def verl_health_flags(token: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Which of verl's rollout-correction health checks a step violates, from ``mismatch_metrics(...)["token"]``.
+
+    Returns 0-dim float64 tensors, 1.0 = violated: ``is_mean`` (IS mean outside [0.5, 2]), ``ess``
+    (ESS fraction < 0.3), ``is_std`` (ratio std > 1), ``kl`` (|k1| > 0.1 nats), ``chi2`` (chi2_token > 1) and
+    ``any`` (at least one). Thresholds: :data:`VERL_HEALTH_THRESHOLDS`.
+    """
+    t = VERL_HEALTH_THRESHOLDS
+    m = token["is_ratio_mean"]
+    flags = {
+        "is_mean": (m < t["is_mean_low"]) | (m > t["is_mean_high"]),
+        "ess": token["ess_frac"] < t["ess_min"],
+        "is_std": token["is_ratio_std"] > t["is_std_max"],
+        "kl": token["mismatch_k1"].abs() > t["abs_kl_max"],
+        "chi2": token["mismatch_chi2"] > t["chi2_token_max"],
+    }
+    flags["any"] = flags["is_mean"] | flags["ess"] | flags["is_std"] | flags["kl"] | flags["chi2"]
+    return {k: v.to(_F64) for k, v in flags.items()}
 
 
 def flatten_metrics(d: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -20,7 +20,10 @@ SFT_SEED_OFFSET = 10_000  # SFT problems are drawn from seed + offset, GRPO's fr
 
 
 def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 1200, learning_rate: float = 3e-3,
-                  batch_size: int = 32, max_operand: int = 49, seed: int = 0, log=print) -> Path:
+                  batch_size: int = 32, max_operand: int = 49, seed: int = 0, task: str = "arith",
+                  digits: dict | None = None, log=print) -> Path:
+    """``task`` "arith" (the default) or "digits" (``digits``: op, min_len, max_len, len_step of
+    ``tasks.digits.make_digits_problems``)."""
     import torch
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
@@ -40,8 +43,16 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir), dtype="fp32", attn="eager")
     eos = tokenizer.eos_token
-    problems = make_arith_problems(steps * batch_size, seed=seed + SFT_SEED_OFFSET, max_operand=max_operand,
-                                   fixed_width=True)
+    if task == "digits":
+        from .tasks.digits import digits_reward, make_digits_problems
+
+        digits = dict(digits or {})
+        problems = make_digits_problems(steps * batch_size, seed=seed + SFT_SEED_OFFSET, **digits)
+    elif task == "arith":
+        problems = make_arith_problems(steps * batch_size, seed=seed + SFT_SEED_OFFSET, max_operand=max_operand,
+                                       fixed_width=True)
+    else:
+        raise ValueError(f"unknown warm-start task {task!r}; valid: arith, digits")
     data = Dataset.from_list([{"prompt": p["prompt"], "completion": " " + p["answer"] + eos} for p in problems])
     t0 = time.perf_counter()
 
@@ -62,15 +73,20 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
         trainer.remove_callback(PrinterCallback)  # our Progress line replaces its raw dict dumps
         trainer.train()
     model = trainer.model.to(torch.bfloat16).eval()
-    accuracy = _greedy_accuracy(model, tokenizer, max_operand, seed, arith_reward, make_arith_problems)
-    log(f"[pretrain-tiny] greedy accuracy on 64 held-out problems: {accuracy:.3f}")
+    if task == "digits":
+        held_out = make_digits_problems(64, seed=seed + 2 * SFT_SEED_OFFSET, **digits)
+        accuracy = _greedy_reward(model, tokenizer, held_out, digits_reward, digits.get("max_len", 32) + 1)
+    else:
+        held_out = make_arith_problems(64, seed=seed + 2 * SFT_SEED_OFFSET, max_operand=max_operand, fixed_width=True)
+        accuracy = _greedy_reward(model, tokenizer, held_out, arith_reward, 6)
+    log(f"[pretrain-tiny] greedy mean reward on 64 held-out {task} problems: {accuracy:.3f}")
 
     with atomic_dir(out_dir) as tmp_dir:
         model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         meta = json.loads((model_dir / META_FILE).read_text())
-        meta["sft"] = {"from": str(model_dir), "steps": steps, "learning_rate": learning_rate,
+        meta["sft"] = {"from": str(model_dir), "task": task, "digits": digits, "steps": steps, "learning_rate": learning_rate,
                        "batch_size": batch_size, "max_operand": max_operand, "seed": seed,
                        "greedy_accuracy_64": accuracy, "wall_time_s": round(time.perf_counter() - t0, 1)}
         (tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
@@ -78,11 +94,11 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
     return out_dir
 
 
-def _greedy_accuracy(model, tokenizer, max_operand, seed, reward, make_problems) -> float:
+def _greedy_reward(model, tokenizer, problems, reward, max_new_tokens) -> float:
     from .engine import Engine
 
-    problems = make_problems(64, seed=seed + 2 * SFT_SEED_OFFSET, max_operand=max_operand, fixed_width=True)
     ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
-    samples = Engine(model).generate(ids, max_new_tokens=6, temperature=0.0, eos_token_id=tokenizer.eos_token_id)
+    samples = Engine(model).generate(ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                                     eos_token_id=tokenizer.eos_token_id)
     texts = tokenizer.batch_decode([s.completion_ids for s in samples], skip_special_tokens=True)
     return sum(reward(texts, [p["answer"] for p in problems])) / len(problems)

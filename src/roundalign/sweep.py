@@ -48,6 +48,17 @@ class Sweep:
         for key in _PER_RUN_KEYS:
             if key in config.get("train", {}):
                 raise ConfigError(f"train.{key} is set per run by the sweep; remove it from train:")
+        stress = config.get("stress")
+        if stress is not None:
+            probe = build_config(overrides={"model": "check"}).to_dict()
+            if stress["dose_key"] not in probe:
+                raise ConfigError(f"stress.dose_key={stress['dose_key']!r} is not a train setting; valid: "
+                                  f"{', '.join(k for k in probe if k not in _PER_RUN_KEYS)}")
+            if stress.get("floor_variant", "fp32") not in self.variants:
+                raise ConfigError(f"stress.floor_variant={stress.get('floor_variant', 'fp32')!r} is not among "
+                                  f"variants ({', '.join(self.variants)}); the share of gap needs that floor run")
+            if "baseline" not in self.variants:
+                raise ConfigError("stress: variants must include baseline (the share of gap is relative to it)")
         for name, spec in self.models.items():
             if not _NAME.match(name):
                 raise ConfigError(f"models.{name}: model names must use letters, digits, '.', '_' or '-'")
@@ -55,7 +66,14 @@ class Sweep:
 
     def _check_model(self, name: str, spec: dict) -> None:
         where = f"models.{name}"
-        if spec["source"] == "tiny" and "tiny" not in spec:
+        if spec.get("base") is not None:
+            base = self.models.get(spec["base"])
+            if base is None or base.get("base") is not None or base["source"] != "tiny":
+                raise ConfigError(f"{where}.base={spec['base']!r}: must name a tiny model of this sweep that has no "
+                                  f"base itself; tiny models: {', '.join(m for m, v in self.models.items() if not v.get('base') and v['source'] == 'tiny')}")
+            if "tiny" in spec:
+                raise ConfigError(f"{where}: give either tiny: (build a model) or base: (reuse {spec['base']}'s)")
+        elif spec["source"] == "tiny" and "tiny" not in spec:
             raise ConfigError(f"{where}.tiny: a tiny model needs its architecture (tiny: {{arch: qwen2|qwen3}})")
         if spec["source"] == "hub" and not spec.get("hub_id"):
             raise ConfigError(f"{where}.hub_id: a hub model needs its id, e.g. Qwen/Qwen2.5-Math-1.5B")
@@ -96,7 +114,29 @@ class Sweep:
     # -- paths ------------------------------------------------------------------------------------
 
     def policy_dir(self, model: str) -> str:
+        model = self.models[model].get("base") or model
         return str(self.workdir / "models" / self.models[model]["source"] / model / "policy")
+
+    def built_models(self) -> list[str]:
+        """Models that are built or fetched themselves (not reusing another entry's policy)."""
+        return [m for m, spec in self.models.items() if not spec.get("base")]
+
+    def pretrain_args(self, model: str) -> str:
+        """Extra pretrain-tiny arguments: warm-start on the model's training task when it is digits."""
+        o = self.train_overrides(model)
+        if o.get("task") != "digits":
+            return ""
+        return (f"--task digits --digits-op {o.get('digits_op', 'copy')} --digits-min-len {o.get('digits_min_len', 8)} "
+                f"--digits-max-len {o.get('digits_max_len', 32)} --digits-len-step {o.get('digits_len_step', 1)}")
+
+    @property
+    def stress(self) -> dict | None:
+        return self.config.get("stress")
+
+    def dose_of(self, model: str):
+        """The model's value of the stress dose key (its train override, else TrainConfig's default)."""
+        key = self.stress["dose_key"]
+        return self.train_overrides(model).get(key, build_config(overrides={"model": "x"}).to_dict()[key])
 
     def run_dir(self, model: str, variant: str, seed) -> str:
         return str(self.workdir / "runs" / self.name / model / variant / f"seed{seed}")

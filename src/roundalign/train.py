@@ -24,6 +24,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,7 @@ class _RunFiles:
             "versions": env["versions"], "git_sha": env["git_sha"], "device": env["device"],
             "gpu_name": env["gpu_name"], "status": "running", "last_step": resumed_from or 0,
             "wall_time_s": (previous or {}).get("wall_time_s", 0.0), "collapse": None, "reward_collapse": None,
+            "grad_norm_collapse": None, "collapse_event": None,
             "resumed_from": (previous or {}).get("resumed_from", []) + ([resumed_from] if resumed_from else []),
             "error": None,
         }
@@ -183,6 +185,8 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
             self.last_tokens = None
             self.best_reward_mean = -math.inf
             self.rewards: list[float] = []
+            self.below_steps = 0  # consecutive steps with the rolling reward mean below the collapse line
+            self.grad_norms: list[float] = []
 
         def on_step_begin(self, args, st, control, **kw):
             self.t_step = time.perf_counter()
@@ -223,6 +227,7 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
                     f"{k}={rec[k]}" if k in rec else k for k in bad)}
                 control.should_training_stop = True
             self._reward_collapse(st.global_step, rec.get("reward/mean"))
+            self._grad_norm_collapse(st.global_step, rec.get("optim/grad_norm"))
             k3 = rec.get("mismatch/token/k3")
             log(f"[train] step {st.global_step}/{cfg.steps} reward={rec.get('reward/mean', float('nan')):.3f} "
                 + (f"k3={k3:.2e} exact={rec.get('mismatch/token/tokens_exact_frac', float('nan')):.3f} "
@@ -230,6 +235,9 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
                 + f"loss={rec.get('optim/loss', float('nan')):.4g} ({step_time:.2f}s)")
 
         def _reward_collapse(self, step, reward):
+            """Reward collapse: the rolling ``reward_collapse_window``-step mean stays below
+            ``reward_collapse_drop`` x its best so far for ``reward_collapse_patience`` consecutive steps. The
+            recorded step is the first step of that streak (``detected_step`` the step it was confirmed)."""
             if reward is None or files.record.get("reward_collapse"):
                 return
             self.rewards.append(reward)
@@ -238,11 +246,34 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
                 return
             mean = sum(self.rewards[-w:]) / w
             if self.best_reward_mean > 0 and mean < cfg.reward_collapse_drop * self.best_reward_mean:
-                files.record["reward_collapse"] = {
-                    "step": step, "reason": f"rolling {w}-step reward mean {mean:.4g} fell below "
-                                            f"{cfg.reward_collapse_drop} x its best {self.best_reward_mean:.4g}"}
-                log(f"[train] reward collapse flagged at step {step}")
+                self.below_steps += 1
+                if self.below_steps >= cfg.reward_collapse_patience:
+                    onset = step - self.below_steps + 1
+                    files.record["reward_collapse"] = {
+                        "step": onset, "detected_step": step,
+                        "reason": f"rolling {w}-step reward mean below {cfg.reward_collapse_drop} x its best "
+                                  f"({self.best_reward_mean:.4g}) for {self.below_steps} consecutive steps "
+                                  f"(now {mean:.4g})"}
+                    log(f"[train] reward collapse flagged at step {step} (onset {onset})")
+            else:
+                self.below_steps = 0
             self.best_reward_mean = max(self.best_reward_mean, mean)
+
+        def _grad_norm_collapse(self, step, grad_norm):
+            """Gradient-norm collapse: the norm exceeds ``grad_norm_collapse_factor`` x the median of every earlier
+            step's norm (after ``grad_norm_collapse_min_steps`` steps). Off when the factor is 0."""
+            if not _finite(grad_norm):
+                return  # a non-finite norm is a non-finite collapse, decided above
+            k = cfg.grad_norm_collapse_factor
+            if k and not files.record.get("grad_norm_collapse") \
+                    and len(self.grad_norms) >= cfg.grad_norm_collapse_min_steps:
+                median = statistics.median(self.grad_norms)
+                if median > 0 and grad_norm > k * median:
+                    files.record["grad_norm_collapse"] = {
+                        "step": step, "reason": f"grad norm {grad_norm:.4g} > {k} x the median {median:.4g} of "
+                                                f"{len(self.grad_norms)} earlier steps"}
+                    log(f"[train] grad-norm collapse flagged at step {step}")
+            self.grad_norms.append(grad_norm)
 
         def on_save(self, args, st, control, **kw):
             ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
@@ -250,13 +281,20 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
                 atomic_write_json(ckpt / "roundalign_state.json", {
                     "step": st.global_step, "engine": cfg.engine, "backend": cfg.backend,
                     "engine_syncs": state["sync"].num_syncs if state.get("sync") else None,
-                    "best_reward_mean": self.best_reward_mean, "rewards": self.rewards})
+                    "best_reward_mean": self.best_reward_mean, "rewards": self.rewards,
+                    "below_steps": self.below_steps, "grad_norms": self.grad_norms,
+                    "reward_collapse": files.record.get("reward_collapse"),
+                    "grad_norm_collapse": files.record.get("grad_norm_collapse")})
             files.write()
 
         def on_train_begin(self, args, st, control, **kw):
             if state.get("resume_state"):
                 self.best_reward_mean = state["resume_state"].get("best_reward_mean", -math.inf)
                 self.rewards = list(state["resume_state"].get("rewards", []))
+                self.below_steps = state["resume_state"].get("below_steps", 0)
+                self.grad_norms = list(state["resume_state"].get("grad_norms", []))
+                for key in ("reward_collapse", "grad_norm_collapse"):
+                    files.record[key] = state["resume_state"].get(key)
 
     return RunCallback()
 
@@ -290,6 +328,10 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
         vllm_importance_sampling_mode=cfg.is_mode, vllm_importance_sampling_clip_max=cfg.is_cap,
         vllm_importance_sampling_clip_min=(1.0 / cfg.is_cap) if cfg.variant == "mis" else None,
         use_cpu=cfg.backend == "emulated",
+        # fp32-head variants: TRL's own mechanism (lm_head.float(), an fp32 forward, the fused LM head scoring the
+        # fp32-cast hidden state without autocast; a tied embedding's output is cast back to the model dtype);
+        # the emulated engine computes its logits the same way (EngineModel(lm_head_fp32=True)).
+        cast_lm_head_to_fp32=cfg.lm_head_fp32,
     )
     if cfg.backend == "vllm":
         kwargs.update(use_vllm=True, vllm_mode=cfg.vllm_mode,
@@ -301,6 +343,11 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
 
 
 def _dataset(cfg: TrainConfig, tokenizer):
+    if cfg.task == "digits":
+        from .tasks.digits import digits_dataset, digits_reward
+
+        return digits_dataset(cfg.num_train_prompts, seed=cfg.seed, op=cfg.digits_op, min_len=cfg.digits_min_len,
+                              max_len=cfg.digits_max_len, len_step=cfg.digits_len_step), digits_reward
     if cfg.task == "arith":
         from .tasks.arith import arith_dataset, arith_reward
 
@@ -387,6 +434,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
             save_final_policy(trainer, out_dir / "final")
         files.record["last_step"] = trainer.state.global_step
         files.record["collapse"] = state["collapse"]
+        files.record["collapse_event"] = collapse_event(files.record)
         code = cfg.collapse_exit_code if status == "collapsed" else EXIT_PREEMPTED if status == "preempted" else 0
     except BaseException as exc:
         files.record.update(status="failed", error=f"{type(exc).__name__}: {exc}",
@@ -403,6 +451,24 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     log(f"[train] {out_dir}: {status} at step {files.record['last_step']}"
         + (f" ({state['collapse']['reason']})" if state["collapse"] else ""))
     return TrainResult(status, files.record["last_step"], code, out_dir)
+
+
+COLLAPSE_KINDS = ("nonfinite", "reward", "grad_norm")
+
+
+def collapse_event(record: dict) -> dict | None:
+    """The run's first collapse of any kind, ``{"kind", "step", "reason"}``, or None (censored at last_step).
+
+    Kinds (fixed before any run, thresholds from the run's config): ``nonfinite`` (NaN/inf loss, grad norm, k3
+    or engine logits: the run stops), ``reward`` (rolling reward mean below reward_collapse_drop x its best for
+    reward_collapse_patience steps; onset step), ``grad_norm`` (grad norm above grad_norm_collapse_factor x the
+    median of the earlier steps). Ties go to the order of ``COLLAPSE_KINDS``."""
+    found = [(ev["step"], i, kind, ev) for i, (kind, key) in enumerate(zip(COLLAPSE_KINDS, (
+        "collapse", "reward_collapse", "grad_norm_collapse"))) if (ev := record.get(key))]
+    if not found:
+        return None
+    step, _, kind, ev = min(found, key=lambda f: (f[0], f[1]))
+    return {"kind": kind, "step": step, "reason": ev.get("reason")}
 
 
 def save_final_policy(trainer, dest: Path) -> None:
@@ -456,14 +522,16 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     if cfg.backend == "emulated":
         from .engine import Engine
 
-        engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk)
+        engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
+                        norm_reduction=cfg.engine_norm_reduction, attn_decode=cfg.engine_attn_decode,
+                        lm_head_fp32=cfg.lm_head_fp32)
     apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
     llm_overrides = {}
     if cfg.backend == "vllm":
         if cfg.engine == "vllm-eager":
             llm_overrides["enforce_eager"] = True
-        if cfg.dtype == "fp16":
-            llm_overrides["dtype"] = "float16"
+        if cfg.dtype in ("fp16", "fp32"):
+            llm_overrides["dtype"] = {"fp16": "float16", "fp32": "float32"}[cfg.dtype]
     ctx = vllm_llm_overrides(**llm_overrides) if llm_overrides and cfg.vllm_mode == "colocate" \
         else contextlib.nullcontext()
     if llm_overrides and cfg.vllm_mode == "server":

@@ -238,6 +238,8 @@ def step_mismatch_metrics(train_logp, engine_logp, completion_mask, entropy, mis
     for level, values in result.items():
         for name, value in values.items():
             out[f"mismatch/{'seq' if level == 'sequence' else level}/{name.removeprefix('mismatch_')}"] = float(value)
+    for name, value in M.verl_health_flags(result["token"]).items():
+        out[f"health/verl_{name}"] = float(value)
     if mismatch_is is not None:
         mode_is, cap, clip_min = mismatch_is
         out.update(_is_stats(train_logp - engine_logp, mask, mode_is, cap, clip_min))

@@ -15,14 +15,14 @@ RESULTS = f"results/{SWEEP.name}"
 
 wildcard_constraints:
     model="|".join(sorted(SWEEP.models)),
-    variant="[a-z0-9]+",
+    variant="[a-z0-9+-]+",
     seed=r"\d+",
     engine="vllm-compiled|vllm-eager",
     sweep="[A-Za-z0-9._-]+",
 
 
 def tiny_args(model):
-    t = SWEEP.models[model]["tiny"]
+    t = SWEEP.models[SWEEP.models[model].get("base") or model]["tiny"]
     return (
         f"--arch {t['arch']} --hidden {t['hidden']} --layers {t['layers']} --heads {t['heads']} "
         f"--kv-heads {t['kv_heads']} --seed {t['seed']} --qk-outlier-scale {t['qk_outlier_scale']} "
@@ -53,12 +53,26 @@ def probe_outputs(sweep):
     return expand(
         "results/{sweep}/probe/{model}/{engine}.csv",
         sweep=sweep,
-        model=sorted(SWEEP.models),
+        model=sorted(SWEEP.built_models()),
         engine=SWEEP.config["probe"]["engines"],
     )
 
 
+# a stress sweep (config key stress:) adds its own tables and figures
+SWEEP_TABLES = AGGREGATE_TABLES + (STRESS_TABLES if SWEEP.stress else [])
+
+
 def aggregate_targets(sweep):
     return expand(
-        "results/{sweep}/aggregate/{table}.csv", sweep=sweep, table=AGGREGATE_TABLES
+        "results/{sweep}/aggregate/{table}.csv", sweep=sweep, table=SWEEP_TABLES
+    )
+
+
+def stress_args():
+    s = SWEEP.stress
+    if not s:
+        return ""
+    return (
+        f"--stress-dose-key {s['dose_key']} --stress-floor {s['floor_variant']} "
+        f"--stress-gap-metric {s['gap_metric']}"
     )

@@ -2,6 +2,14 @@
 
 FIGURE_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe"]
 AGGREGATE_TABLES = ["runs", "run_status", "probe", "probe_layers"]
+STRESS_TABLES = ["stress_runs", "stress_survival", "stress_gap"]
+STRESS_FIGURE_STEMS = [
+    "stress_survival",
+    "stress_mismatch",
+    "stress_reward",
+    "stress_dose",
+    "stress_gap",
+]
 # Shell rules run `python -m roundalign` from PATH: the environment Snakemake runs in (make puts .venv/bin
 # first; on a cluster, the activated conda environment of environment.yml, which jobs inherit). The conda
 # directive documents that environment for --software-deployment-method conda.
@@ -15,3 +23,12 @@ def figure_targets(sweep):
         stem=FIGURE_STEMS,
         ext=["png", "pdf"],
     ) + expand("figures/{sweep}/summary.{ext}", sweep=sweep, ext=["csv", "md"])
+
+
+def stress_figure_targets(sweep):
+    return expand(
+        "figures/{sweep}/{stem}.{ext}",
+        sweep=sweep,
+        stem=STRESS_FIGURE_STEMS,
+        ext=["png", "pdf"],
+    )

@@ -30,9 +30,10 @@ rule pretrain_tiny:
     params:
         steps=lambda wc: SWEEP.models[wc.model]["tiny"]["pretrain_steps"],
         seed=lambda wc: SWEEP.models[wc.model]["tiny"]["seed"],
+        task=lambda wc: SWEEP.pretrain_args(wc.model),
     shell:
         "python -m roundalign pretrain-tiny --model {input} --out {output} --steps {params.steps} "
-        "--seed {params.seed} > {log} 2>&1"
+        "--seed {params.seed} {params.task} > {log} 2>&1"
 
 
 rule fetch_model:

@@ -7,15 +7,18 @@ rule aggregate:
         runs=lambda wc: run_outputs(wc.sweep),
         probes=lambda wc: probe_outputs(wc.sweep),
     output:
-        expand("results/{{sweep}}/aggregate/{table}.csv", table=AGGREGATE_TABLES),
+        expand("results/{{sweep}}/aggregate/{table}.csv", table=SWEEP_TABLES),
     log:
         "logs/{sweep}/aggregate.log",
     localrule: True
     conda:
         CONDA_ENV
+    params:
+        stress=stress_args(),
     shell:
         "python -m roundalign aggregate --results results/{wildcards.sweep} --sweep {wildcards.sweep} "
-        "--out results/{wildcards.sweep}/aggregate > {log} 2>&1"
+        "--out results/{wildcards.sweep}/aggregate {params.stress} > {log} 2>&1"
 
 
 include: "figures_rule.smk"
+include: "stress_figures_rule.smk"

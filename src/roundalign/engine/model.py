@@ -15,7 +15,11 @@ What it emulates (and what it does not):
   reduction, which PyTorch allows by default for bf16), standing in for inference kernels that sum in
   another order (vLLM's merged QKV / gate-up GEMMs, split-K decode kernels).
 - Attention: ``eager`` is HF's eager formula (bf16 scores, fp32 softmax); ``sdpa`` is
-  ``F.scaled_dot_product_attention`` (prefill causal, decode one query against the cache).
+  ``F.scaled_dot_product_attention`` (prefill causal, decode one query against the cache). ``attn_decode``
+  picks the kernel of decode steps separately (vLLM's backends run prefill and decode through different
+  kernels, e.g. FlashAttention varlen vs. paged decode); by default it is ``attn``.
+- LM head: ``lm_head_fp32`` computes the logits as an fp32 GEMM of the fp32-cast hidden state and fp32 head
+  weight (MiniMax-M1's fp32 LM head; the trainer side is TRL's ``cast_lm_head_to_fp32``).
 - Not emulated: paged KV blocks, CUDA graphs, FlashAttention/FlashInfer kernels, tensor parallelism.
 
 The engine owns a copy of the weights (``sync_weights`` re-copies them from a training model), so a
@@ -93,15 +97,21 @@ class EngineModel:
         attn: ``eager`` or ``sdpa``.
         gemm: ``same`` or ``splitk``.
         splitk_chunk: K-chunk size for ``splitk``, in elements.
+        norm_reduction: compiled engine: ``opaque`` (the trainer's eager mean of squares) or ``inductor``.
+        attn_decode: attention kernel of decode steps; None = ``attn``.
+        lm_head_fp32: logits as an fp32 GEMM (fp32 hidden state, fp32 head weight), returned in fp32.
     """
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
-                 splitk_chunk: int = 64, norm_reduction: str = "opaque", regions: str = "full"):
+                 splitk_chunk: int = 64, norm_reduction: str = "opaque", regions: str = "full",
+                 attn_decode: str | None = None, lm_head_fp32: bool = False):
         self.plan: RoundingPlan = engine_plan(engine) if regions == "full" else plan_for(engine, regions)
         self.engine = engine
         self.regions = regions
         self.norm_reduction = check_choice("norm reduction", norm_reduction, compiled.NORM_REDUCTIONS)
         self.attn = check_choice("attention implementation", attn, ATTN_IMPLS)
+        self.attn_decode = check_choice("decode attention implementation", attn_decode or attn, ATTN_IMPLS)
+        self.lm_head_fp32 = bool(lm_head_fp32)
         self.gemm = check_choice("engine GEMM", gemm, ENGINE_GEMMS)
         if splitk_chunk < 1:
             raise ValueError(f"splitk_chunk must be >= 1, got {splitk_chunk}")
@@ -135,8 +145,11 @@ class EngineModel:
         """Copy every weight from ``model`` (the trainer) into the engine's private tensors."""
         trunk = decoder_trunk(model)
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
-        self.dtype = trunk.embed_tokens.weight.dtype
-        self.embed = clone(trunk.embed_tokens.weight)
+        # the compute dtype: the final norm's (TRL's cast_lm_head_to_fp32 makes a tied embedding table fp32 and
+        # casts its output back to the model dtype; the norms keep it)
+        self.dtype = trunk.norm.weight.dtype
+        # the lookup table in the compute dtype: rounding rows before the lookup equals rounding its output
+        self.embed = trunk.embed_tokens.weight.detach().to(self.dtype, copy=True)
         lm_head = getattr(model, "lm_head", None)
         self.lm_head = clone(lm_head.weight) if lm_head is not None else self.embed
         self.final_norm = clone(trunk.norm.weight)
@@ -183,7 +196,9 @@ class EngineModel:
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if self.attn == "sdpa":
+        # a decode step is one new token per sequence against a non-empty cache; prefill keeps ``attn``
+        impl = self.attn_decode if q.shape[2] == 1 and k.shape[2] > 1 else self.attn
+        if impl == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=self.scaling)
         else:
             # HF eager_attention_forward: bf16 scores * scaling, additive min-value causal mask, fp32 softmax
@@ -217,7 +232,7 @@ class EngineModel:
         positions = torch.arange(start, start + seq).unsqueeze(0).expand(bsz, -1)
         if self.spec is not None:
             return self._forward_compiled(input_ids, positions, cache, layer_states)
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed).to(self.dtype)
         cos, sin = self.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         residual = None
@@ -236,6 +251,11 @@ class EngineModel:
             if layer_states is not None:
                 layer_states.append((residual.float() + h.float()).to(self.dtype))
         x, _ = self._norm(h, self.final_norm, residual)
+        return self._logits(x)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        if self.lm_head_fp32:
+            return self._linear(x.float(), self.lm_head.float())
         return self._linear(x, self.lm_head)
 
     def _forward_compiled(self, input_ids: Tensor, positions: Tensor, cache: KVCache, layer_states: list | None):
@@ -253,4 +273,4 @@ class EngineModel:
         hidden = compiled.run_model(self.spec, self, input_ids.reshape(-1), positions.reshape(-1), attend, states)
         if layer_states is not None:
             layer_states.extend(s.view(bsz, seq, -1) for s in states)
-        return self._linear(hidden.view(bsz, seq, -1), self.lm_head)
+        return self._logits(hidden.view(bsz, seq, -1))

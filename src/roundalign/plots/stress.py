@@ -1,0 +1,179 @@
+"""Figures of a mismatch-stress sweep, from its aggregated tables only (``roundalign.stress`` writes them).
+
+    roundalign plot-stress --aggregate results/stress/aggregate --out figures/stress
+
+Writes ``stress_survival``, ``stress_mismatch``, ``stress_reward``, ``stress_dose`` and ``stress_gap`` in each
+format. Categories are sorted (variants in the order of ``roundalign.config.TRAIN_VARIANTS``, doses numerically),
+seed bands are min-max over seeds (no resampling, so nothing random), and file metadata carries no timestamp:
+reruns give identical bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ..config import TRAIN_VARIANTS  # noqa: E402
+from ._common import check_formats, load_table  # noqa: E402
+
+STEMS = ("stress_survival", "stress_mismatch", "stress_reward", "stress_dose", "stress_gap")
+
+CAPTIONS = {
+    "stress_survival": (
+        "Kaplan-Meier survival of GRPO runs on the mismatch-stress task (tiny Qwen2/Qwen3 models, digit-string "
+        "copying, emulated engine with split-K GEMMs, SDPA decode and Inductor's RMSNorm reduction): fraction of "
+        "runs without a collapse event (non-finite values, reward below half its running best for the configured "
+        "number of consecutive steps, or a grad-norm spike above the configured multiple of its running median) "
+        "against the optimizer step, one panel per dose level, one line per variant, pooled over models and "
+        "seeds; bands are pointwise 95% Greenwood intervals (log-log scale)."),
+    "stress_mismatch": (
+        "Mean |log p_train - log p_engine| per sampled token (nats, log scale) against the optimizer step, one "
+        "panel per dose level, one line per variant: median over models and seeds, band min-max over them."),
+    "stress_reward": (
+        "Mean reward per step (digit-copy prefix credit) against the optimizer step, one panel per dose level: "
+        "median over models and seeds, band min-max over them."),
+    "stress_dose": (
+        "Dose-response: per-run mean over steps of the token-level mismatch (left, nats, log scale) and the "
+        "fraction of runs with a collapse event (right) against the dose, one line per variant; points are the "
+        "mean over models and seeds."),
+    "stress_gap": (
+        "Share of the baseline-to-fp32 mismatch gap closed per variant, (delta_baseline - delta_variant) / "
+        "(delta_baseline - delta_fp32) with delta the per-run mean |delta logp| per token averaged over seeds; "
+        "bars are the mean over models at each dose, points the individual models."),
+}
+
+
+def _variants(df: pd.DataFrame) -> list[str]:
+    present = set(df["variant"])
+    return [v for v in TRAIN_VARIANTS if v in present] + sorted(present - set(TRAIN_VARIANTS))
+
+
+def _colors(variants):
+    cmap = plt.get_cmap("tab10")
+    return {v: cmap(i % 10) for i, v in enumerate(variants)}
+
+
+def _doses(df):
+    return sorted(df["dose"].dropna().unique(), key=float)
+
+
+def plot_survival(surv: pd.DataFrame):
+    doses, variants = _doses(surv), _variants(surv)
+    colors = _colors(variants)
+    fig, axes = plt.subplots(1, len(doses), figsize=(4 * len(doses), 3.2), sharey=True, squeeze=False)
+    for ax, dose in zip(axes[0], doses):
+        for v in variants:
+            g = surv[(surv["variant"] == v) & (surv["dose"] == dose)].sort_values("time")
+            if g.empty:
+                continue
+            ax.step(g["time"], g["survival"], where="post", color=colors[v], label=v)
+            ax.fill_between(g["time"], g["ci_low"], g["ci_high"], step="post", color=colors[v], alpha=0.15)
+        ax.set_title(f"dose {dose}")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+    axes[0][0].set_ylabel("fraction of runs without collapse")
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return fig, axes
+
+
+def _per_step(runs_long: pd.DataFrame, metric: str, ylabel: str, log: bool, stress_runs: pd.DataFrame):
+    d = runs_long[runs_long["metric"] == metric].merge(
+        stress_runs[["model", "variant", "seed", "dose"]], on=["model", "variant", "seed"])
+    doses, variants = _doses(d), _variants(d)
+    colors = _colors(variants)
+    fig, axes = plt.subplots(1, max(1, len(doses)), figsize=(4 * max(1, len(doses)), 3.2), sharey=True,
+                             squeeze=False)
+    for ax, dose in zip(axes[0], doses):
+        for v in variants:
+            g = d[(d["variant"] == v) & (d["dose"] == dose)]
+            if g.empty:
+                continue
+            q = g.groupby("step")["value"].agg(["median", "min", "max"]).reset_index()
+            ax.plot(q["step"], q["median"], color=colors[v], label=v, lw=1)
+            ax.fill_between(q["step"], q["min"], q["max"], color=colors[v], alpha=0.12)
+        ax.set_title(f"dose {dose}")
+        ax.set_xlabel("step")
+        if log:
+            ax.set_yscale("log")
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    return fig, axes
+
+
+def plot_dose(stress_runs: pd.DataFrame):
+    variants = _variants(stress_runs)
+    colors = _colors(variants)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for v in variants:
+        g = stress_runs[stress_runs["variant"] == v].groupby("dose").agg(
+            mismatch=("mismatch_token_logp_abs_diff_mean", "mean"), events=("event", "mean")).reset_index()
+        g = g.sort_values("dose", key=lambda s: s.astype(float))
+        a.plot(g["dose"].astype(float), g["mismatch"], "o-", color=colors[v], label=v)
+        b.plot(g["dose"].astype(float), g["events"], "o-", color=colors[v], label=v)
+    a.set_yscale("log")
+    a.set_xlabel("dose")
+    a.set_ylabel("mean |delta logp| per token (nats)")
+    b.set_xlabel("dose")
+    b.set_ylabel("fraction of runs with a collapse event")
+    b.set_ylim(-0.02, 1.02)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    return fig, (a, b)
+
+
+def plot_gap(gap: pd.DataFrame):
+    g = gap[~gap["variant"].isin(["baseline"])]
+    variants, doses = _variants(g), _doses(g)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(variants) * max(1, len(doses)) / 2, 3.4))
+    width = 0.8 / max(1, len(doses))
+    for j, dose in enumerate(doses):
+        x = np.arange(len(variants)) + (j - (len(doses) - 1) / 2) * width
+        h = g[g["dose"] == dose]
+        means = [h[h["variant"] == v]["share_closed"].mean() for v in variants]
+        ax.bar(x, means, width, label=f"dose {dose}", alpha=0.7)
+        for xi, v in zip(x, variants):
+            pts = h[h["variant"] == v]["share_closed"].dropna()
+            ax.plot([xi] * len(pts), pts, "k.", ms=3)
+    ax.axhline(0, color="k", lw=0.5)
+    ax.axhline(1, color="k", lw=0.5, ls=":")
+    ax.set_xticks(np.arange(len(variants)), variants, rotation=30, ha="right")
+    ax.set_ylabel("share of gap closed")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig, ax
+
+
+def make(aggregate_dir, out_dir, formats=("png", "pdf")) -> list[Path]:
+    formats = check_formats(formats)
+    aggregate_dir, out_dir = Path(aggregate_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stress_runs = pd.read_csv(aggregate_dir / "stress_runs.csv")
+    surv = pd.read_csv(aggregate_dir / "stress_survival.csv")
+    gap = pd.read_csv(aggregate_dir / "stress_gap.csv")
+    runs_long = load_table(aggregate_dir, "runs")
+    plt.rcdefaults()
+    figs = {
+        "stress_survival": plot_survival(surv)[0],
+        "stress_mismatch": _per_step(runs_long, "mismatch/token/logp_abs_diff_mean",
+                                     "mean |delta logp| per token (nats)", True, stress_runs)[0],
+        "stress_reward": _per_step(runs_long, "reward/mean", "reward", False, stress_runs)[0],
+        "stress_dose": plot_dose(stress_runs)[0],
+        "stress_gap": plot_gap(gap)[0],
+    }
+    paths = []
+    for stem in STEMS:
+        for fmt in formats:
+            p = out_dir / f"{stem}.{fmt}"
+            meta = {"CreationDate": None} if fmt == "pdf" else {"Software": None}
+            figs[stem].savefig(p, dpi=120, metadata=meta)
+            paths.append(p)
+        plt.close(figs[stem])
+    return paths

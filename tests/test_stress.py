@@ -1,0 +1,201 @@
+"""The mismatch-stress experiment: its new metrics against independent formulas, the Kaplan-Meier estimator and
+the share of gap against hand counts, the fp32-head arm, a reduced stress sweep end to end through train +
+aggregate, the stress config's dry run, and config errors that name the valid choices."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from roundalign import metrics as M
+from roundalign.config import ConfigError, build_config
+from roundalign.stress import gap_table, kaplan_meier, write_stress_tables
+from roundalign.tasks.digits import digits_reward, make_digits_problems
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = {"log": lambda *a, **k: None}
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------
+
+def test_token_mult_prob_error_and_ratio_std_match_independent_formulas():
+    train = torch.tensor([[-1.0, -2.0, -0.5, 9.0]])
+    engine = torch.tensor([[-1.5, -2.0, -0.25, 0.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    tok = M.mismatch_metrics(train, engine, mask)["token"]
+    # |delta| = 0.5, 0, 0.25 -> NeMo-RL's mean exp(|delta|) = (e^0.5 + 1 + e^0.25) / 3
+    assert tok["token_mult_prob_error"].item() == pytest.approx((math.exp(0.5) + 1 + math.exp(0.25)) / 3, rel=1e-12)
+    rho = [math.exp(0.5), 1.0, math.exp(-0.25)]
+    mean = sum(rho) / 3
+    assert tok["is_ratio_std"].item() == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in rho) / 3), rel=1e-12)
+    # mean and RMS |delta logp| in nats (existing keys, reported by the stress tables)
+    assert tok["logp_abs_diff_mean"].item() == pytest.approx(0.75 / 3)
+    assert tok["logp_diff_rms"].item() == pytest.approx(math.sqrt((0.25 + 0 + 0.0625) / 3))
+    # identical logprobs: exactly 1 and 0
+    same = M.mismatch_metrics(train, train, mask)["token"]
+    assert same["token_mult_prob_error"].item() == 1.0 and same["is_ratio_std"].item() == 0.0
+
+
+def test_verl_health_flags_use_verls_thresholds():
+    def flags(**kw):
+        base = {"is_ratio_mean": 1.0, "ess_frac": 1.0, "is_ratio_std": 0.0, "mismatch_k1": 0.0, "mismatch_chi2": 0.0}
+        base.update(kw)
+        return {k: float(v) for k, v in M.verl_health_flags({k: torch.tensor(v, dtype=torch.float64)
+                                                             for k, v in base.items()}).items()}
+
+    assert flags()["any"] == 0.0
+    assert flags(is_ratio_mean=0.49)["is_mean"] == 1.0 and flags(is_ratio_mean=2.01)["is_mean"] == 1.0
+    assert flags(is_ratio_mean=0.5)["is_mean"] == 0.0 and flags(is_ratio_mean=2.0)["is_mean"] == 0.0
+    assert flags(ess_frac=0.29)["ess"] == 1.0 and flags(ess_frac=0.3)["ess"] == 0.0
+    assert flags(mismatch_k1=-0.11)["kl"] == 1.0 and flags(mismatch_k1=0.1)["kl"] == 0.0
+    assert flags(mismatch_chi2=1.01)["chi2"] == 1.0 and flags(mismatch_chi2=1.0)["chi2"] == 0.0
+    assert flags(is_ratio_std=1.5)["is_std"] == 1.0 and flags(is_ratio_std=1.5)["any"] == 1.0
+
+
+# -- survival and share of gap ----------------------------------------------------------------------------------
+
+def test_kaplan_meier_and_greenwood_match_a_hand_count():
+    # 5 runs: events at 3, 3, 7; censored at 5 and 10.
+    # t=3: n=5, d=2 -> S = 3/5; t=7: n=2 (5 and 3s gone), d=1 -> S = 3/5 * 1/2 = 0.3
+    km = kaplan_meier([3, 3, 5, 7, 10], [1, 1, 0, 1, 0])
+    assert km["time"].tolist() == [0.0, 3.0, 7.0]
+    assert km["num_at_risk"].tolist() == [5, 5, 2] and km["num_events"].tolist() == [0, 2, 1]
+    assert km["survival"].tolist() == pytest.approx([1.0, 0.6, 0.3])
+    # Greenwood at t=7: 2/(5*3) + 1/(2*1) = 0.6333; log-log band around 0.3
+    gw = 2 / 15 + 1 / 2
+    se = math.sqrt(gw) / abs(math.log(0.3))
+    z = 1.959963984540054
+    assert km["ci_low"].iloc[2] == pytest.approx(0.3 ** math.exp(z * se))
+    assert km["ci_high"].iloc[2] == pytest.approx(0.3 ** math.exp(-z * se))
+    assert km["ci_low"].iloc[2] < 0.3 < km["ci_high"].iloc[2]
+    # no events: one row, S = 1
+    assert kaplan_meier([4, 5], [0, 0])["survival"].tolist() == [1.0]
+
+
+def test_share_of_gap_closed_is_relative_to_baseline_and_the_fp32_floor():
+    col = "mismatch_token_logp_abs_diff_mean"
+    runs = pd.DataFrame({"base": "m", "dose": 16, "variant": ["baseline", "baseline", "full", "fp32", "rope"],
+                         col: [0.010, 0.012, 0.005, 0.001, 0.013]})
+    g = gap_table(runs, "mismatch/token/logp_abs_diff_mean").set_index("variant")["share_closed"]
+    # delta_baseline = 0.011, floor 0.001: full (0.011-0.005)/0.010 = 0.6; rope (0.011-0.013)/0.010 = -0.2
+    assert g["full"] == pytest.approx(0.6) and g["rope"] == pytest.approx(-0.2)
+    assert g["baseline"] == 0.0 and g["fp32"] == pytest.approx(1.0)
+
+
+# -- task --------------------------------------------------------------------------------------------------------
+
+def test_digits_task_is_deterministic_with_varying_lengths_and_exact_grading():
+    probs = make_digits_problems(50, seed=3, op="reverse", min_len=4, max_len=12, len_step=4)
+    assert probs == make_digits_problems(50, seed=3, op="reverse", min_len=4, max_len=12, len_step=4)
+    assert {len(p["answer"]) for p in probs} == {4, 8, 12}
+    p = probs[0]
+    assert p["answer"] == p["prompt"].split()[1].rstrip(":")[::-1]
+    # exact: 1; 2 of 4 right then wrong: 0.5; one extra digit: 4/5; nothing: 0
+    assert digits_reward([" 1234<eos>", " 1299", " 12345", "x"], ["1234"] * 4) == [1.0, 0.5, 0.8, 0.0]
+
+
+# -- config errors -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, message", [
+    ({"variant": "fp32head"}, "full+fp32-head"),
+    ({"engine_attn_decode": "flash"}, "eager, sdpa"),
+    ({"engine_norm_reduction": "triton"}, "opaque, inductor"),
+    ({"task": "digits", "digits_op": "shuffle"}, "copy, reverse, sort"),
+    ({"task": "digits", "digits_max_len": 40, "max_completion_length": 20}, "max_completion_length=20"),
+    ({"grad_norm_collapse_factor": 0.5}, "must be 0 (off) or > 1"),
+    ({"dtype": "fp32"}, "use variant fp32"),
+])
+def test_bad_stress_settings_name_the_valid_choices(override, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        build_config(overrides={"model": "m", **override})
+    assert message in str(err.value)
+
+
+def test_fp32_variants_resolve_their_numerics():
+    assert build_config(overrides={"model": "m", "variant": "fp32"}).dtype == "fp32"
+    c = build_config(overrides={"model": "m", "variant": "full+fp32-head"})
+    assert c.alignment == "full" and c.lm_head_fp32 and c.dtype == "bf16"
+    c = build_config(overrides={"model": "m", "variant": "fp32-head"})
+    assert c.alignment == "baseline" and c.lm_head_fp32
+
+
+# -- fp32-head arm and the reduced sweep end to end ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    from roundalign.tiny import make_tiny
+
+    return str(make_tiny("qwen3", tmp_path_factory.mktemp("stress") / "q3", hidden=32, layers=2, heads=2,
+                         kv_heads=1, tie=True, seed=0))
+
+
+def test_fp32_head_logits_are_fp32_on_both_sides_and_equal_with_equal_kernels(tiny_qwen3):
+    """The trainer side is TRL's own mechanism (GRPOTrainer.__init__ with cast_lm_head_to_fp32: lm_head.float(),
+    an fp32 forward, the tied embedding's output cast back); the engine computes an fp32 GEMM of its fp32-cast
+    hidden state. With full alignment and equal kernels (eager engine, same GEMMs) the logits are bitwise equal."""
+    from roundalign.engine import EngineModel, KVCache
+    from roundalign.models import load_model
+    from roundalign.numerics import apply_alignment
+
+    model = load_model(tiny_qwen3, dtype="bf16", attn="eager")
+    apply_alignment(model, "full", "vllm-eager")
+    # TRL 1.16's _cast_lm_head_to_fp32 (grpo_trainer.py), applied as the trainer applies it
+    original = model.lm_head.weight.dtype
+    lm_head = model.lm_head.float()
+    model.lm_head = lm_head
+    lm_head.forward = lambda h: torch.nn.functional.linear(h.to(torch.float32), lm_head.weight.to(torch.float32))
+    model.model.embed_tokens.register_forward_hook(lambda m, a, out: out.to(original))
+    engine = EngineModel(model, engine="vllm-eager", lm_head_fp32=True)
+    ids = torch.tensor([[5, 17, 33, 2, 9, 100, 7]])
+    with torch.no_grad():
+        train_logits = model(ids).logits
+    engine_logits = engine.forward(ids, KVCache(len(engine.layers)))
+    assert train_logits.dtype == torch.float32 and engine_logits.dtype == torch.float32
+    assert engine.lm_head.dtype == torch.float32 and engine.dtype == torch.bfloat16
+    assert torch.equal(train_logits, engine_logits)
+
+
+def test_reduced_stress_sweep_runs_end_to_end_and_writes_the_survival_table(tiny_qwen3, tmp_path):
+    """1 model x 2 variants (baseline, full+fp32-head) + the fp32 floor, 2 steps, through run_train (the sweep's
+    code path) with every engine option of configs/stress.yaml except the compiled engine (compiling takes
+    minutes on 2 cores; the compiled path is what the pilot ran), then the stress tables."""
+    from roundalign.train import run_train
+
+    root = tmp_path / "results/stressmini"
+    settings = dict(model=tiny_qwen3, task="digits", digits_min_len=4, digits_max_len=8, digits_len_step=4,
+                    max_completion_length=9, steps=2, prompts_per_step=2, num_generations=2, per_device_batch_size=4,
+                    engine="vllm-eager", engine_gemm="splitk", splitk_chunk=8, engine_attn_decode="sdpa",
+                    reward_collapse_window=1, reward_collapse_patience=1, grad_norm_collapse_factor=10.0,
+                    grad_norm_collapse_min_steps=1, checkpoint_every=100)
+    for variant in ("baseline", "full+fp32-head", "fp32"):
+        res = run_train(build_config(overrides={**settings, "variant": variant}),
+                        root / f"runs/mini/{variant}/seed0", **QUIET)
+        assert res.status == "done"
+    run = json.loads((root / "runs/mini/full+fp32-head/seed0/run.json").read_text())
+    assert "collapse_event" in run and "grad_norm_collapse" in run
+    rec = json.loads((root / "runs/mini/baseline/seed0/metrics.jsonl").read_text().splitlines()[0])
+    for key in ("mismatch/token/token_mult_prob_error", "mismatch/token/logp_diff_rms", "health/verl_any"):
+        assert key in rec
+    paths = write_stress_tables(root, root / "aggregate", "splitk_chunk", **QUIET)
+    surv = pd.read_csv(paths["stress_survival"])
+    assert set(surv["variant"]) == {"baseline", "full+fp32-head", "fp32"} and (surv["dose"] == 8).all()
+    runs = pd.read_csv(paths["stress_runs"])
+    assert len(runs) == 3 and runs["mismatch_token_token_mult_prob_error"].ge(1).all()
+    gap = pd.read_csv(paths["stress_gap"]).set_index("variant")
+    assert gap.loc["fp32", "delta"] < gap.loc["baseline", "delta"]
+
+
+def test_stress_config_dry_run_succeeds():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", "configs/stress.yaml"], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "stress_figures" in res.stdout and "train" in res.stdout
