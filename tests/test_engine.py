@@ -163,7 +163,8 @@ def test_splitk_gemm_rounds_each_partial_to_bf16_then_sums_once():
 
 @pytest.mark.parametrize("attn,gemm", [("sdpa", "same"), ("eager", "splitk")])
 def test_unequal_kernels_leave_a_residual_that_full_still_reduces(arch, attn, gemm):
-    model = random_qwen(arch, attn=attn, hidden=128)
+    # hidden 64 as the other engine tests: the compiled pieces' graphs are shared within the process
+    model = random_qwen(arch, attn=attn)
     eng = Engine(model, attn=attn, gemm=gemm, splitk_chunk=16)
     samples = eng.generate(prompts(n=8, length=12), max_new_tokens=16, seed=0)
 
