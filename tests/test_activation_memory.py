@@ -43,3 +43,24 @@ def test_full_keeps_at_most_110_percent_of_baseline_activation_bytes(arch):
     assert base.saved_bytes > 1_000_000  # a real graph: 1.19 MB (Qwen2) / 1.34 MB (Qwen3) of activations
     assert full.saved_bytes <= 1.10 * base.saved_bytes, full.saved_bytes / base.saved_bytes
     assert full.peak_bytes <= 1.10 * base.peak_bytes, full.peak_bytes / base.peak_bytes
+
+
+def test_chunked_swiglu_region_is_bitwise_the_formula_and_its_autograd(monkeypatch):
+    """The eager SwiGLU region runs a chunk of rows at a time (to bound its fp32 temporaries). Reference: plain
+    autograd through ``silu(gate.float()) * up.float()`` on the whole tensor, rounded once."""
+    from roundalign.numerics import regions as R
+
+    monkeypatch.setattr(R, "_SWIGLU_CHUNK_ELEMS", 300)  # 300 // 48 = 6 rows a chunk: 7 chunks, the last short
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.randn(2, 20, 48, generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    up = torch.randn(2, 20, 48, generator=g).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(2, 20, 48, generator=g).to(torch.bfloat16)
+    ref = (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    ref_gate, ref_up = torch.autograd.grad(ref, (gate, up), grad)
+    out = R.region_kernels("eager").swiglu_fused(gate, up)
+    got_gate, got_up = torch.autograd.grad(out, (gate, up), grad)
+    assert torch.equal(out, ref) and torch.equal(got_gate, ref_gate) and torch.equal(got_up, ref_up)
+    # a non-contiguous input (a transposed view) is read correctly too
+    gt, ut = gate.detach().transpose(0, 1), up.detach().transpose(0, 1)
+    assert torch.equal(R.region_kernels("eager").swiglu_fused(gt, ut),
+                       (torch.nn.functional.silu(gt.float()) * ut.float()).to(torch.bfloat16))

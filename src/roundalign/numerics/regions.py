@@ -179,18 +179,44 @@ class _RecomputeInBackward(torch.autograd.Function):
         return (None, None, None, *(next(grads) if n else None for n in needs))
 
 
+# Rows per chunk of the eager SwiGLU region: its fp32 temporaries live for one chunk only. The region is
+# elementwise, so chunking changes no bit; 2^16 elements = 256 KiB per fp32 temporary.
+_SWIGLU_CHUNK_ELEMS = 1 << 16
+
+
+def _row_chunks(*tensors: Tensor):
+    """Yield matching row slices of same-shape tensors viewed as (rows, last dim), ~_SWIGLU_CHUNK_ELEMS each."""
+    last = tensors[0].shape[-1]
+    flat = [t.reshape(-1, last) for t in tensors]
+    step = max(1, _SWIGLU_CHUNK_ELEMS // max(last, 1))
+    for r0 in range(0, flat[0].shape[0], step):
+        yield tuple(f[r0:r0 + step] for f in flat)
+
+
+def _swiglu_fused_chunked(gate: Tensor, up: Tensor) -> Tensor:
+    """``swiglu_fused`` computed a chunk of rows at a time (same bits; fp32 temporaries of one chunk only)."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # contiguous: its row views are written
+    for o, g, u in _row_chunks(out, gate, up):
+        o.copy_(swiglu_fused(g, u))
+    return out
+
+
 def _swiglu_fused_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients of ``swiglu_fused`` w.r.t. (gate, up): the ops autograd runs on the formula (ToCopy, Mul,
-    SiluBackward, ToCopy), hence the same bits, with each fp32 temporary freed as soon as it is used, so the
-    backward holds at most four fp32 copies of the intermediate activation at once instead of six."""
-    g32 = gate.float()
-    s32 = F.silu(g32)
-    grad32 = grad.float()
-    grad_up = (grad32 * s32).to(up.dtype)
-    del s32
-    grad_s = grad32 * up.float()
-    del grad32
-    return torch.ops.aten.silu_backward(grad_s, g32).to(gate.dtype), grad_up
+    SiluBackward, ToCopy), hence the same bits, a chunk of rows at a time, so the backward's fp32
+    temporaries (up to four copies of the intermediate activation) exist for one chunk only."""
+    grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # contiguous: row views are written
+    grad_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    for gg, gu, gr, g, u in _row_chunks(grad_gate, grad_up, grad, gate, up):
+        g32 = g.float()
+        s32 = F.silu(g32)
+        grad32 = gr.float()
+        gu.copy_((grad32 * s32).to(up.dtype))
+        del s32
+        grad_s = grad32 * u.float()
+        del grad32
+        gg.copy_(torch.ops.aten.silu_backward(grad_s, g32).to(gate.dtype))
+    return grad_gate, grad_up
 
 
 def _rope_fused_backward(grad: Tensor, cos: Tensor, sin: Tensor, x_dtype: torch.dtype) -> Tensor:
@@ -237,6 +263,8 @@ def _one_node(name: str, kernel):
             # stream) in the same order as stock HF; one node would sum the region's share first, which in
             # fp32 changes the last bit (tests/test_patch.py::test_autograd_fp32_bitwise_equal_to_stock)
             return reference(*inputs, **kwargs)
+        if name == "swiglu_fused" and kernel is reference:
+            return _RecomputeInBackward.apply(reference, _swiglu_fused_chunked, kwargs, *inputs)
         return _RecomputeInBackward.apply(reference, kernel, kwargs, *inputs)
     return region
 
