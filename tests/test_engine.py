@@ -31,10 +31,10 @@ def trainer_logprobs(model, sample, temperature=1.0):
 def test_full_is_on_policy_with_equal_kernels(arch, engine, tie):
     # The paper's mechanism: with the trainer's GEMMs and eager attention on both sides, aligning all regions
     # makes the trainer's logprobs of the engine's samples equal, although the engine decodes token by token
-    # with a KV cache (batched by prompt length) and the trainer runs one forward per sequence. Not bitwise
-    # on every token: ATen's eager elementwise kernels (e.g. silu) compute a vector body and a scalar tail
-    # differently, so a value can differ by an fp32 ulp with the tensor's shape (decode rows vs a prefill);
-    # tests/test_compiled_engine.py shows bitwise equality at equal shapes.
+    # with a KV cache (batched by prompt length) and the trainer runs one forward per sequence. The engine keeps
+    # its decode attention on ATen's block kernels (next test), which made 7 of these 8 cases bitwise on every
+    # token; the eager engine on tied Qwen3 still differs on 3 of 60 tokens, another decode-vs-prefill shape
+    # effect of the CPU kernels not yet isolated. tests/test_compiled_engine.py: bitwise at equal shapes.
     model = random_qwen(arch, tie=tie)
     eng = Engine(model, engine=engine, attn="eager", gemm="same")
     samples = eng.generate(prompts(lengths=[7, 7, 12, 12, 3]), max_new_tokens=12, seed=3)
@@ -43,8 +43,34 @@ def test_full_is_on_policy_with_equal_kernels(arch, engine, tie):
     base_exact = sum(int((trainer_logprobs(model, s) == s.logprobs).sum()) for s in samples)
     apply_alignment(model, "full", engine)
     full_exact = sum(int((trainer_logprobs(model, s) == s.logprobs).sum()) for s in samples)
-    assert full_exact >= 0.9 * n, (full_exact, n)
+    assert full_exact >= (0.9 if (arch, tie, engine) == ("qwen3", True, "vllm-eager") else 1.0) * n, (full_exact, n)
     assert base_exact < 0.5 * n, (base_exact, n)
+
+
+def test_decode_attention_row_equals_the_prefill_row():
+    """A decode step's eager attention (one query row against the cache) equals that row of the full causal
+    attention over the whole sequence, bitwise. Reference: HF's eager formula over the whole sequence (as the
+    trainer runs it). With a lone query row ATen's bf16 batched matmul takes another kernel, which differed
+    on 1-3 of 400 such rows and on 1 of these 300 (ATTN_MIN_ROWS = 1)."""
+    model = random_qwen("qwen2")
+    em = EngineModel(model)
+    g = torch.Generator().manual_seed(0)
+    differ = 0
+    for _ in range(300):
+        L = int(torch.randint(9, 40, (1,), generator=g))
+        p = int(torch.randint(1, L, (1,), generator=g))
+        q = torch.randn(2, em.num_heads, L, em.head_dim, generator=g).to(torch.bfloat16)
+        k = torch.randn(2, em.num_kv_heads, L, em.head_dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(2, em.num_kv_heads, L, em.head_dim, generator=g).to(torch.bfloat16)
+        rep = em.num_heads // em.num_kv_heads
+        kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = torch.matmul(q, kr.transpose(2, 3)) * em.scaling
+        scores = scores + torch.triu(torch.full((L, L), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16), 1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(torch.bfloat16)
+        ref = torch.matmul(probs, vr).transpose(1, 2).reshape(2, L, -1)[:, p]
+        got = em._attention(q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1], causal=True)[:, 0]
+        differ += int(not torch.equal(got, ref))
+    assert differ == 0, differ
 
 
 def test_kv_cache_decoding_equals_one_prefill(arch):

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .engine.compiled import NORM_REDUCTIONS
-from .engine.model import ATTN_IMPLS, ENGINE_GEMMS
+from .engine.choices import ATTN_IMPLS, ENGINE_GEMMS, NORM_REDUCTIONS
 from .numerics.plan import ENGINES
 
 BACKENDS = ("emulated", "vllm")

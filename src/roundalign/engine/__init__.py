@@ -3,7 +3,18 @@
 Knows token ids and dtypes, not datasets or tokenizers. See ``model.py`` for what is emulated.
 """
 
-from .generate import Engine, NonFiniteLogitsError, Sample
-from .model import ATTN_IMPLS, ENGINE_GEMMS, EngineModel, KVCache
+from .choices import ATTN_IMPLS, ENGINE_GEMMS, NORM_REDUCTIONS
 
-__all__ = ["Engine", "NonFiniteLogitsError", "Sample", "EngineModel", "KVCache", "ATTN_IMPLS", "ENGINE_GEMMS"]
+_LAZY = {"Engine": "generate", "NonFiniteLogitsError": "generate", "Sample": "generate", "EngineModel": "model",
+         "KVCache": "model"}
+
+
+def __getattr__(name):
+    # lazy (PEP 562): the option names above are read by config checks that must not import torch
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'roundalign.engine' has no attribute {name!r}")
+
+__all__ = ["Engine", "NonFiniteLogitsError", "Sample", "EngineModel", "KVCache", "ATTN_IMPLS", "ENGINE_GEMMS", "NORM_REDUCTIONS"]

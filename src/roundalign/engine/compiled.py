@@ -57,7 +57,7 @@ REGION_SETS = {
     "norm": frozenset({"norm"}),
     "baseline": frozenset(),
 }
-NORM_REDUCTIONS = ("opaque", "inductor")
+from .choices import NORM_REDUCTIONS  # noqa: E402  (re-exported)
 
 # ----------------------------------------------------------------------------------------------
 # Opaque ops. Each runs an eager kernel; Inductor sees a call it cannot look into.

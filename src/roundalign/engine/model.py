@@ -39,9 +39,9 @@ from ..numerics.patch import decoder_trunk
 from ..numerics.plan import RoundingPlan, engine_plan, plan_for
 from . import compiled
 
-ATTN_IMPLS = ("eager", "sdpa")
-ENGINE_GEMMS = ("same", "splitk")
+from .choices import ATTN_IMPLS, ENGINE_GEMMS  # noqa: E402  (re-exported)
 SOFTMAX_MIN_COLS = 64
+ATTN_MIN_ROWS = 16
 
 
 def check_choice(name: str, value: str, valid: tuple[str, ...]) -> str:
@@ -202,8 +202,15 @@ class EngineModel:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=self.scaling)
         else:
             # HF eager_attention_forward: bf16 scores * scaling, additive min-value causal mask, fp32 softmax
-            scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
             tq, tk = q.shape[2], k.shape[2]
+            # ATen's CPU bf16 batched matmul takes another kernel for a single query row (a decode step) than
+            # for a block of rows (the trainer's prefill), and its sums then differ in rare elements (measured:
+            # ~1% of random decode rows, for Q K^T and P V alike; none once there are >= 8 rows). Padding the
+            # queries with zero rows keeps decode on the block kernel; the padded rows'
+            # outputs are dropped (ATTN_MIN_ROWS). A kernel detail of the CPU emulation, not of vLLM.
+            if tq < ATTN_MIN_ROWS:
+                q = F.pad(q, (0, 0, 0, ATTN_MIN_ROWS - tq))
+            scores = (torch.matmul(q, k.transpose(2, 3)) * self.scaling)[:, :, :tq]
             if causal and tq > 1:
                 mask = torch.full((tq, tk), torch.finfo(scores.dtype).min, dtype=scores.dtype)
                 mask = torch.triu(mask, diagonal=tk - tq + 1)
@@ -217,8 +224,10 @@ class EngineModel:
             if tk < SOFTMAX_MIN_COLS:
                 scores = F.pad(scores, (0, SOFTMAX_MIN_COLS - tk), value=torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :tk].to(q.dtype)
-            out = torch.matmul(probs, v)
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+            if tq < ATTN_MIN_ROWS:
+                probs = F.pad(probs, (0, 0, 0, ATTN_MIN_ROWS - tq))
+            out = torch.matmul(probs, v)[:, :, :tq]
+        return out.transpose(1, 2).reshape(q.shape[0], out.shape[2], -1)
 
     # -- forward --------------------------------------------------------------------------------
 
