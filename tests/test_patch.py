@@ -146,8 +146,51 @@ def test_errors_name_the_culprit_and_the_choices():
 
     llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=64))
-    with pytest.raises(TypeError, match=r"LlamaForCausalLM.*Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(TypeError, match=r"LlamaForCausalLM.*Qwen2ForCausalLM, Qwen2Model"):
         apply_alignment(llama, "full")
+
+
+@pytest.mark.parametrize("head", ["ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"])
+def test_head_classes_align_their_decoder_trunk(arch, head):
+    """Reward/value models (sequence classification) and the other HF heads keep the decoder under
+    ``base_model``; their trunk is aligned like a causal LM's: same hidden states as the aligned causal LM's
+    trunk at equal weights, and baseline restores stock outputs bitwise."""
+    lm = random_qwen(arch, layers=2)
+    cls = getattr(transformers, f"Qwen{arch[-1]}{head}")
+    cfg = copy.deepcopy(lm.config)
+    cfg.num_labels, cfg.pad_token_id = 3, 127
+    model = cls(cfg).to(torch.bfloat16).eval()
+    model.base_model.load_state_dict(lm.model.state_dict())
+    model.base_model.rotary_emb.inv_freq = lm.model.rotary_emb.inv_freq
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stock = model(input_ids=ids, output_hidden_states=True)
+        apply_alignment(model, "full")
+        apply_alignment(lm, "full")
+        aligned = model(input_ids=ids, output_hidden_states=True)
+        lm_hidden = lm(input_ids=ids, output_hidden_states=True).hidden_states
+        assert all(torch.equal(a, b) for a, b in zip(aligned.hidden_states, lm_hidden))
+        assert not torch.equal(aligned.hidden_states[-1], stock.hidden_states[-1])
+        apply_alignment(model, "baseline")
+        again = model(input_ids=ids, output_hidden_states=True)
+    assert all(torch.equal(a, b) for a, b in zip(again.hidden_states, stock.hidden_states))
+
+
+def test_alignment_is_recorded_in_the_models_own_config(tmp_path):
+    """HF models built from one config object share it; aligning one must not mark its sibling (which would
+    save ``roundalign`` in its config.json and be aligned by load_model)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)
+    a, b = Qwen2ForCausalLM(cfg), Qwen2ForCausalLM(cfg)
+    apply_alignment(a, "full")
+    assert a.config.roundalign["variant"] == "full" and a.model.config is a.config
+    assert not hasattr(b.config, "roundalign") and not hasattr(cfg, "roundalign")
+    b.save_pretrained(tmp_path / "b")
+    assert "roundalign" not in (tmp_path / "b" / "config.json").read_text()
+    apply_alignment(a, "rope")  # re-applying keeps the model's own copy
+    assert a.config.roundalign["variant"] == "rope" and not hasattr(cfg, "roundalign")
 
 
 # The replaced forwards in roundalign.numerics.patch re-state these stock forwards. If transformers

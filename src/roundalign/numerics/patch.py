@@ -58,6 +58,7 @@ The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinne
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -66,10 +67,12 @@ from torch import nn
 from . import regions
 from .plan import RoundingPlan, check_engine, check_variant, plan_for
 
-SUPPORTED_MODEL_CLASSES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2Model", "Qwen3Model")
+SUPPORTED_MODEL_CLASSES = tuple(f"Qwen{v}{head}" for v in ("2", "3") for head in (
+    "ForCausalLM", "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"))
 _STATE_ATTR = "_roundalign_state"  # (variant, engine, kernels) on the top-level model
 _PLAN_ATTR = "_roundalign_plan"  # RoundingPlan on each patched submodule
 _KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace on each patched submodule
+_OWN_CONFIG_ATTR = "_roundalign_own_config"  # the config copy apply_alignment made for this model
 
 
 def decoder_trunk(model: nn.Module) -> nn.Module:
@@ -81,7 +84,8 @@ def decoder_trunk(model: nn.Module) -> nn.Module:
             "(Qwen2.5 checkpoints load as Qwen2). Other architectures round in other places and need their own "
             "alignment."
         )
-    return model.model if hasattr(model, "lm_head") else model
+    # every head class keeps its Qwen*Model under ``base_model_prefix`` ("model"; "transformer" for QA)
+    return model if cls.endswith("Model") else model.base_model
 
 
 def _is_qwen3(attn: nn.Module) -> bool:
@@ -291,7 +295,8 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     """Make ``model`` round like ``engine`` in the regions ``variant`` selects; in place, returns ``model``.
 
     Args:
-        model: a ``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` (or their ``*Model`` trunk) instance.
+        model: a Qwen2/Qwen3 ``ForCausalLM``, ``Model`` (trunk), ``ForSequenceClassification`` (reward and value
+            models), ``ForTokenClassification`` or ``ForQuestionAnswering`` instance; heads align their trunk.
             Qwen2.5 checkpoints load as Qwen2. Works in bf16 and fp16; in fp32 every variant is a
             bitwise no-op.
         variant: ``baseline`` (stock HF numerics), ``rope``, ``swiglu``, ``norm`` (residual add feeding
@@ -339,11 +344,19 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     if plan.norm == "fused":
         _install(trunk.norm, plan, kernels)
     setattr(model, _STATE_ATTR, (variant, engine, kernels))
-    for cfg in {id(model.config): model.config, id(trunk.config): trunk.config}.values():
-        if variant == "baseline":
-            cfg.__dict__.pop("roundalign", None)
-        else:
-            cfg.roundalign = {"variant": variant, "engine": engine, "kernels": kernels}
+    # Record the alignment in a config of this model's own: HF models built from one config object share it,
+    # and writing into a shared one would make a never-aligned sibling save (and load_model re-apply) it.
+    own = getattr(model, _OWN_CONFIG_ATTR, None)
+    if own is not model.config:
+        own = copy.copy(model.config)
+        model.config = own
+        if trunk is not model:
+            trunk.config = own
+        setattr(model, _OWN_CONFIG_ATTR, own)
+    if variant == "baseline":
+        own.__dict__.pop("roundalign", None)
+    else:
+        own.roundalign = {"variant": variant, "engine": engine, "kernels": kernels}
     return model
 
 
