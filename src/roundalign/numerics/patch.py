@@ -307,9 +307,9 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             equal to the emulated engine) or ``compiled`` (``torch.compile``: one fused kernel per region,
             cheaper; Inductor may order the RMSNorm reduction differently, ~1e-5 of elements 1 ulp apart,
             and it is not a bitwise no-op in fp32 either: measured 88-96% of fp32 logits moved, max relative
-            1.2e-6). Compilation happens on the first forward and covers the forward only: the backward is
-            the eager formula's (so compiled and eager kernels give bitwise equal gradients wherever their
-            forwards agree, and double backward works).
+            1.2e-6). Compilation happens on the first forward and first backward: a first-order backward
+            runs the region's VJP compiled by Inductor (its gradients differ from eager kernels' in rare
+            elements), ``create_graph=True`` runs the eager formula, so double backward works.
 
     Re-applying replaces the previous alignment (applying the same variant twice is the same as
     once). Only this instance changes; the transformers classes are not touched. The alignment is

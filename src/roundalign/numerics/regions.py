@@ -136,13 +136,14 @@ def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: 
 # weight; RoPE saves nothing but cos/sin) and recomputes its fp32 intermediates in backward. Left to
 # autograd, the fp32 formulas keep fp32 copies of everything they touch (SwiGLU: gate, silu(gate) and up in
 # fp32, 12 bytes per intermediate element where HF keeps 6), which made ``full`` keep 27% more activation
-# bytes than ``baseline`` (scripts/bench_memory.py). The backward is autograd of the eager formula,
-# recomputed from the same inputs, so gradients are bitwise those of the plain formula; it is written
-# with differentiable ops, so ``create_graph=True`` / double backward and ``retain_graph=True`` work in
-# both modes. Compiled mode compiles the forward only (it runs under no_grad inside the node), so
-# AOTAutograd's donated buffers, which forbid ``retain_graph``/``create_graph`` in torch 2.13
-# (torch/_functorch/_aot_autograd/runtime_wrappers.py, ``_backward_impl``), never come into play, and its
-# backward is the eager formula's.
+# bytes than ``baseline`` (scripts/bench_memory.py). With eager kernels the backward is autograd of the
+# eager formula, recomputed from the same inputs, so gradients are bitwise those of the plain formula; it is
+# written with differentiable ops, so ``create_graph=True`` / double backward and ``retain_graph=True`` work
+# in both modes. Compiled mode compiles the forward (it runs under no_grad inside the node) and, for a
+# first-order backward, the region's ``torch.func.vjp`` as a separate inference graph: neither is an
+# AOTAutograd training graph, so its donated buffers, which forbid ``retain_graph``/``create_graph`` in
+# torch 2.13 (torch/_functorch/_aot_autograd/runtime_wrappers.py, ``_backward_impl``), never come into
+# play. ``create_graph=True`` falls back to the eager formula.
 
 KERNEL_MODES = ("eager", "compiled")
 _FUSED = ("rope_fused", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum")
@@ -151,22 +152,31 @@ _KERNEL_CACHE: dict[str, object] = {}
 
 class _RecomputeInBackward(torch.autograd.Function):
     """``kernel(*inputs, **kwargs)`` in forward; in backward, autograd of ``reference(*inputs, **kwargs)``
-    recomputed from the saved inputs (``reference`` is the eager formula ``kernel`` computes)."""
+    recomputed from the saved inputs (``reference`` is the eager formula ``kernel`` computes). With compiled
+    kernels, a first-order backward runs ``vjp`` instead: the same VJP compiled by Inductor (one fused kernel,
+    its own rounding of the fp32 intermediates, like the forward); ``create_graph`` always takes the eager path."""
 
     @staticmethod
-    def forward(ctx, reference, kernel, kwargs, *inputs):
-        ctx.reference, ctx.kwargs = reference, kwargs
+    def forward(ctx, reference, kernel, vjp, kwargs, *inputs):
+        ctx.reference, ctx.vjp, ctx.kwargs = reference, vjp, kwargs
         ctx.save_for_backward(*inputs)
-        return kernel(*inputs, **kwargs)
+        out = kernel(*inputs, **kwargs)
+        ctx.out_meta = [(o.shape, o.dtype) for o in (out if isinstance(out, tuple) else (out,))]
+        return out
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         inputs = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[4:]
         create_graph = torch.is_grad_enabled()  # backward(create_graph=True): keep the graph to the real inputs
+        if ctx.vjp is not None and not create_graph:
+            grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=inputs[0].device)
+                     for g, (shape, dtype) in zip(grad_outputs, ctx.out_meta)]
+            got = ctx.vjp(tuple(inputs), tuple(grads), ctx.kwargs)
+            return (None, None, None, None, *(g if n else None for g, n in zip(got, needs)))
         if ctx.reference is swiglu_fused and not create_graph:
             grad_gate, grad_up = _swiglu_fused_backward(grad_outputs[0], *inputs)
-            return None, None, None, grad_gate if needs[0] else None, grad_up if needs[1] else None
+            return None, None, None, None, grad_gate if needs[0] else None, grad_up if needs[1] else None
         with torch.enable_grad():
             if not create_graph:
                 inputs = tuple(x.detach().requires_grad_(n) for x, n in zip(inputs, needs))
@@ -176,7 +186,17 @@ class _RecomputeInBackward(torch.autograd.Function):
         wrt = [x for x, n in zip(inputs, needs) if n]
         grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
                                          create_graph=create_graph, allow_unused=True))
-        return (None, None, None, *(next(grads) if n else None for n in needs))
+        return (None, None, None, None, *(next(grads) if n else None for n in needs))
+
+
+def _compiled_vjp(reference):
+    """``torch.func.vjp`` of ``reference`` compiled by Inductor: (inputs, output grads, kwargs) -> input grads."""
+
+    def vjp(inputs, grads, kwargs):
+        out, fn = torch.func.vjp(lambda *xs: reference(*xs, **kwargs), *inputs)
+        return fn(grads if isinstance(out, tuple) else grads[0])
+
+    return torch.compile(vjp, dynamic=True)
 
 
 # Rows per chunk of the eager SwiGLU region: its fp32 temporaries live for one chunk only. The region is
@@ -250,7 +270,7 @@ def _one_node(name: str, kernel):
     if name == "rope_fused":
         def rope(x, cos, sin, out_dtype=None):
             if cos.requires_grad or sin.requires_grad:  # not in HF (cos/sin come from a buffer): keep x too
-                return _RecomputeInBackward.apply(reference, kernel, {"out_dtype": out_dtype}, x, cos, sin)
+                return _RecomputeInBackward.apply(reference, kernel, None, {"out_dtype": out_dtype}, x, cos, sin)
             return _RopeFused.apply(kernel, x, cos, sin, out_dtype)
         return rope
 
@@ -264,8 +284,9 @@ def _one_node(name: str, kernel):
             # fp32 changes the last bit (tests/test_patch.py::test_autograd_fp32_bitwise_equal_to_stock)
             return reference(*inputs, **kwargs)
         if name == "swiglu_fused" and kernel is reference:
-            return _RecomputeInBackward.apply(reference, _swiglu_fused_chunked, kwargs, *inputs)
-        return _RecomputeInBackward.apply(reference, kernel, kwargs, *inputs)
+            return _RecomputeInBackward.apply(reference, _swiglu_fused_chunked, None, kwargs, *inputs)
+        return _RecomputeInBackward.apply(reference, kernel, vjp, kwargs, *inputs)
+    vjp = None if kernel is reference else _compiled_vjp(reference)
     return region
 
 
