@@ -272,40 +272,17 @@ def bench_model(device: torch.device, cfg_kwargs: dict, batch: int, seq: int, va
 # (c) report
 
 
-def random_qwen(arch: str, device: torch.device, layers: int, hidden: int, seed: int):
-    """A random bf16 Qwen2/Qwen3 with non-unit norm weights and q/k/v biases (as tests/conftest.py builds it)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
-    heads = max(hidden // 64, 2)
-    cfg = cfg_cls(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden // heads, vocab_size=512,
-                  tie_word_embeddings=False, max_position_embeddings=4096)
-    torch.manual_seed(seed)
-    model = model_cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.exp(0.3 * torch.randn_like(p)))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    inv_freq = model.model.rotary_emb.inv_freq.clone()
-    model = model.to(device=device, dtype=BF16).eval()
-    model.model.rotary_emb.inv_freq = inv_freq.to(device)  # fp32, as from_pretrained and vLLM keep it
-    model.set_attn_implementation("eager")
-    return model
-
-
 def check_piecewise(device: torch.device, tiny: bool, seed: int) -> list[dict]:
     from roundalign import apply_alignment
     from roundalign.engine import EngineModel, KVCache
+    from roundalign.tiny import random_qwen
 
     hidden, seq = (64, 16) if tiny else (1024, 256)
     rows = []
     for arch in ("qwen2", "qwen3"):
-        model = random_qwen(arch, device, layers=4, hidden=hidden, seed=seed)
+        # non-unit norm weights and q/k/v biases; MLP 3x hidden, heads of 64 (at least 2)
+        model = random_qwen(arch, layers=4, hidden=hidden, heads=max(hidden // 64, 2), kv_heads=2, vocab=512,
+                            intermediate=3 * hidden, seed=seed, device=device)
         ids = torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(seed)).to(device)
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -27,7 +27,7 @@ import torch
 from . import metrics as M
 from .engine import ATTN_IMPLS, ENGINE_GEMMS, Engine
 from .engine.model import check_choice
-from .engine.compiled import NORM_REDUCTIONS
+from .engine.choices import NORM_REDUCTIONS
 from .envinfo import environment_info
 from .io import atomic_write_csv, atomic_write_json, check_writable
 from .numerics import apply_alignment

@@ -274,6 +274,8 @@ def _one_node(name: str, kernel):
             return _RopeFused.apply(kernel, x, cos, sin, out_dtype)
         return rope
 
+    vjp = None if kernel is reference else _compiled_vjp(reference)
+
     def region(*inputs, **kwargs):
         if not all(isinstance(a, Tensor) for a in inputs):  # eps is a float: the node takes tensors positionally
             raise TypeError(f"{name}: pass non-tensor arguments by keyword in the kernel namespace")
@@ -286,7 +288,6 @@ def _one_node(name: str, kernel):
         if name == "swiglu_fused" and kernel is reference:
             return _RecomputeInBackward.apply(reference, _swiglu_fused_chunked, None, kwargs, *inputs)
         return _RecomputeInBackward.apply(reference, kernel, vjp, kwargs, *inputs)
-    vjp = None if kernel is reference else _compiled_vjp(reference)
     return region
 
 
