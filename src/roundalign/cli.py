@@ -70,6 +70,9 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--norm-reduction", default="opaque",
                     help="vllm-compiled engine's RMSNorm mean reduction: opaque (the trainer's eager kernel, "
                          "default) or inductor (Inductor's own summation order)")
+    pr.add_argument("--kv-cache-dtype", default="auto",
+                    help="emulated engine's KV-cache storage, vLLM's names: auto (model dtype, default), fp8_e4m3, "
+                         "fp8_e5m2 (quantized with scale 1.0)")
     pr.add_argument("--variants", type=_csv_list, default=VARIANTS,
                     help=f"comma-separated trainer variants (default all: {','.join(VARIANTS)})")
     pr.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
@@ -188,7 +191,8 @@ def run_probe_cli(args) -> None:
     cfg = ProbeConfig(model=args.model, engine=args.engine, attn=args.attn, engine_gemm=args.engine_gemm,
                       variants=args.variants, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       seed=args.seed, temperature=args.temperature, context_tokens=args.context_tokens,
-                      splitk_chunk=args.splitk_chunk, norm_reduction=args.norm_reduction, dtype=args.dtype)
+                      splitk_chunk=args.splitk_chunk, norm_reduction=args.norm_reduction,
+                      kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
     _setup_runtime()
     if args.backend == "vllm":
         from .probe_gpu import run_probe_gpu

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .engine.choices import ATTN_IMPLS, ENGINE_GEMMS, NORM_REDUCTIONS
+from .engine.choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
 from .numerics.plan import ENGINES
 
 BACKENDS = ("emulated", "vllm")
@@ -120,6 +120,7 @@ class TrainConfig:
     engine_gemm: str = "same"
     engine_attn_decode: str | None = None
     engine_norm_reduction: str = "opaque"
+    engine_kv_cache_dtype: str = "auto"
     splitk_chunk: int = 64
     kernels: str = "eager"
     task: str = "arith"
@@ -170,7 +171,8 @@ class TrainConfig:
         choices = {"variant": TRAIN_VARIANTS, "backend": BACKENDS, "engine": ENGINES, "attn": ATTN_IMPLS,
                    "engine_gemm": ENGINE_GEMMS, "kernels": KERNEL_MODES, "task": TASKS, "vllm_mode": VLLM_MODES,
                    "dtype": ("bf16", "fp16", "fp32"), "loss_type": LOSS_TYPES,
-                   "prompt_style": PROMPT_STYLES, "engine_norm_reduction": NORM_REDUCTIONS, "digits_op": DIGITS_OPS}
+                   "prompt_style": PROMPT_STYLES, "engine_norm_reduction": NORM_REDUCTIONS, "digits_op": DIGITS_OPS,
+                   "engine_kv_cache_dtype": KV_CACHE_DTYPES}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}")
@@ -204,8 +206,9 @@ class TrainConfig:
         if self.dtype == "fp32" and self.variant != "fp32":
             raise ConfigError(f"dtype=fp32 is the fp32 floor run: use variant fp32 (got variant {self.variant!r})")
         if self.backend == "vllm" and (self.lm_head_fp32 or self.engine_attn_decode or
-                                       self.engine_norm_reduction != "opaque"):
-            raise ConfigError(f"variant={self.variant!r}, engine_attn_decode, engine_norm_reduction: emulated engine only "
+                                       self.engine_norm_reduction != "opaque" or self.engine_kv_cache_dtype != "auto"):
+            raise ConfigError(f"variant={self.variant!r}, engine_attn_decode, engine_norm_reduction, "
+                              "engine_kv_cache_dtype: emulated engine only "
                               "(backend vllm runs vLLM's own kernels and LM head)")
         if self.task == "digits" and self.max_completion_length < self.digits_max_len + 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length} cannot hold the longest digits "

@@ -27,7 +27,7 @@ import torch
 from . import metrics as M
 from .engine import ATTN_IMPLS, ENGINE_GEMMS, Engine
 from .engine.model import check_choice
-from .engine.choices import NORM_REDUCTIONS
+from .engine.choices import KV_CACHE_DTYPES, NORM_REDUCTIONS
 from .envinfo import environment_info
 from .io import atomic_write_csv, atomic_write_json, check_writable
 from .numerics import apply_alignment
@@ -53,6 +53,7 @@ class ProbeConfig:
         splitk_chunk: K-chunk size of the "splitk" engine GEMM, in elements.
         norm_reduction: ``vllm-compiled`` only: "opaque" (the RMSNorm mean reduction runs the trainer's eager
             kernel) or "inductor" (Inductor reduces it itself, in its own summation order).
+        kv_cache_dtype: the emulated engine's KV-cache storage (vLLM's names): "auto", "fp8_e4m3", "fp8_e5m2".
         dtype: model dtype: "bf16", "fp16" or "fp32".
     """
 
@@ -68,6 +69,7 @@ class ProbeConfig:
     context_tokens: int = 0
     splitk_chunk: int = 64
     norm_reduction: str = "opaque"
+    kv_cache_dtype: str = "auto"
     dtype: str = "bf16"
 
     def __post_init__(self):
@@ -75,6 +77,7 @@ class ProbeConfig:
         check_choice("attention implementation", self.attn, ATTN_IMPLS)
         check_choice("engine GEMM", self.engine_gemm, ENGINE_GEMMS)
         check_choice("engine norm reduction", self.norm_reduction, NORM_REDUCTIONS)
+        check_choice("KV-cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not self.variants:
             raise ValueError("give at least one variant")
         for v in self.variants:
@@ -213,12 +216,13 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
     label = model_label(cfg.model)
     engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
-                    norm_reduction=cfg.norm_reduction)
+                    norm_reduction=cfg.norm_reduction, kv_cache_dtype=cfg.kv_cache_dtype)
     prompts = _prompts(tokenizer, cfg)
     samples = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=cfg.seed, eos_token_id=tokenizer.eos_token_id, record_layer_states=True)
     n_tok = sum(len(s.completion_ids) for s in samples)
-    log(f"[probe] {label}: engine {cfg.engine} (attn={cfg.attn}, gemm={cfg.engine_gemm}, norm reduction={cfg.norm_reduction}) sampled {len(samples)} "
+    log(f"[probe] {label}: engine {cfg.engine} (attn={cfg.attn}, gemm={cfg.engine_gemm}, norm reduction={cfg.norm_reduction}, "
+        f"kv cache={cfg.kv_cache_dtype}) sampled {len(samples)} "
         f"completions, {n_tok} tokens, prompt length {min(map(len, prompts))}-{max(map(len, prompts))} "
         f"({time.perf_counter() - t0:.1f}s)")
     rows, layer_rows = compare_variants(model, samples, cfg, label, cfg.engine, log)

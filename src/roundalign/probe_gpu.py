@@ -100,6 +100,9 @@ def run_probe_gpu(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda"
     from .models import load_model, load_tokenizer, resolve_model_path
 
     resolve_model_path(cfg.model)
+    if cfg.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r}: an emulated-engine option (--backend emulated); "
+                         "the vllm backend probes with vLLM's default KV cache (auto)")
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("probe --backend vllm needs vLLM (the GPU environment, environment.yml); "
                            "on CPU use --backend emulated")

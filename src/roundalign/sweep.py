@@ -108,6 +108,14 @@ class Sweep:
         """TrainConfig keys for ``model``: the sweep's ``train:`` updated by the model's own ``train:``."""
         return {**self.config.get("train", {}), **self.models[model].get("train", {})}
 
+    def probe_engine_args(self, model: str) -> str:
+        """The emulated engine's storage and kernel settings of ``model``'s training runs, for its probe: the
+        probe then measures, at identical weights, the engine those runs sample from (a stress dose included).
+        Keys the training runs leave at their defaults give the probe's defaults."""
+        o = self.train_overrides(model)
+        return (f"--kv-cache-dtype {o.get('engine_kv_cache_dtype', 'auto')} --splitk-chunk {o.get('splitk_chunk', 64)} "
+                f"--norm-reduction {o.get('engine_norm_reduction', 'opaque')}")
+
     def uses_math(self) -> bool:
         return any(self.train_overrides(m).get("task") == "math" for m in self.models)
 
@@ -120,6 +128,13 @@ class Sweep:
     def built_models(self) -> list[str]:
         """Models that are built or fetched themselves (not reusing another entry's policy)."""
         return [m for m, spec in self.models.items() if not spec.get("base")]
+
+    def probed_models(self) -> list[str]:
+        """Models that get an offline probe: every built model, and a ``base:`` model whose engine settings
+        (``probe_engine_args``: a stress dose) differ from its base's; one that differs only in training settings
+        would repeat its base's probe."""
+        return sorted(m for m, spec in self.models.items()
+                      if not spec.get("base") or self.probe_engine_args(m) != self.probe_engine_args(spec["base"]))
 
     def pretrain_args(self, model: str) -> str:
         """Extra pretrain-tiny arguments: warm-start on the model's training task when it is digits."""

@@ -524,7 +524,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
 
         engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
                         norm_reduction=cfg.engine_norm_reduction, attn_decode=cfg.engine_attn_decode,
-                        lm_head_fp32=cfg.lm_head_fp32)
+                        lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=cfg.engine_kv_cache_dtype)
     apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
     llm_overrides = {}
     if cfg.backend == "vllm":

@@ -53,7 +53,7 @@ def probe_outputs(sweep):
     return expand(
         "results/{sweep}/probe/{model}/{engine}.csv",
         sweep=sweep,
-        model=sorted(SWEEP.built_models()),
+        model=SWEEP.probed_models(),
         engine=SWEEP.config["probe"]["engines"],
     )
 

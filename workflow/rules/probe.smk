@@ -22,9 +22,10 @@ rule probe:
     params:
         p=SWEEP.config["probe"],
         variants=",".join(SWEEP.config["probe"]["variants"]),
+        engine_args=lambda wc: SWEEP.probe_engine_args(wc.model),
     shell:
         "python -m roundalign probe --model {input.model} --engine {wildcards.engine} --attn {params.p[attn]} "
         "--engine-gemm {params.p[engine_gemm]} --variants {params.variants} --prompts {params.p[prompts]} "
         "--max-new-tokens {params.p[max_new_tokens]} --context-tokens {params.p[context_tokens]} "
         "--backend {params.p[backend]} --gpu-memory-utilization {params.p[gpu_memory_utilization]} "
-        "--seed 0 --out {output.table} > {log} 2>&1"
+        "{params.engine_args} --seed 0 --out {output.table} > {log} 2>&1"

@@ -3,7 +3,7 @@
 Knows token ids and dtypes, not datasets or tokenizers. See ``model.py`` for what is emulated.
 """
 
-from .choices import ATTN_IMPLS, ENGINE_GEMMS, NORM_REDUCTIONS
+from .choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
 
 _LAZY = {"Engine": "generate", "NonFiniteLogitsError": "generate", "Sample": "generate", "EngineModel": "model",
          "KVCache": "model"}
@@ -17,4 +17,5 @@ def __getattr__(name):
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'roundalign.engine' has no attribute {name!r}")
 
-__all__ = ["Engine", "NonFiniteLogitsError", "Sample", "EngineModel", "KVCache", "ATTN_IMPLS", "ENGINE_GEMMS", "NORM_REDUCTIONS"]
+__all__ = ["Engine", "NonFiniteLogitsError", "Sample", "EngineModel", "KVCache", "ATTN_IMPLS", "ENGINE_GEMMS", "KV_CACHE_DTYPES",
+           "NORM_REDUCTIONS"]

@@ -4,3 +4,6 @@ Snakemake invocation; ``roundalign.engine`` itself imports torch and transformer
 ATTN_IMPLS = ("eager", "sdpa")
 ENGINE_GEMMS = ("same", "splitk")
 NORM_REDUCTIONS = ("opaque", "inductor")
+# vLLM's ``--kv-cache-dtype`` names: "auto" keeps K/V in the model dtype; the fp8 formats store them quantized
+# (per-tensor scale 1.0, the default when a checkpoint carries no KV scales)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")

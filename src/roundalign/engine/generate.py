@@ -57,9 +57,10 @@ class Engine:
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
                  splitk_chunk: int = 64, norm_reduction: str = "opaque", attn_decode: str | None = None,
-                 lm_head_fp32: bool = False):
+                 lm_head_fp32: bool = False, kv_cache_dtype: str = "auto"):
         self.model = EngineModel(model, engine=engine, attn=attn, gemm=gemm, splitk_chunk=splitk_chunk,
-                                 norm_reduction=norm_reduction, attn_decode=attn_decode, lm_head_fp32=lm_head_fp32)
+                                 norm_reduction=norm_reduction, attn_decode=attn_decode, lm_head_fp32=lm_head_fp32,
+                                 kv_cache_dtype=kv_cache_dtype)
 
     def sync_weights(self, model: nn.Module) -> None:
         self.model.sync_weights(model)
@@ -108,7 +109,7 @@ class Engine:
     def _generate_group_on_device(self, prompts, indices, max_new_tokens, temperature, seed, eos_token_id, record):
         bsz = len(prompts)
         gens = [torch.Generator(device="cpu").manual_seed(_sample_seed(seed, i)) for i in indices]
-        cache = KVCache(len(self.model.layers))
+        cache = self.model.new_cache()
         states: list[list[Tensor]] = []  # per forward call: list over layers of (B, T, hidden)
         step_states = [] if record else None
         logits = self.model.forward(torch.tensor(prompts), cache, step_states)[:, -1]

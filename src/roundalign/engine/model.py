@@ -39,7 +39,7 @@ from ..numerics.patch import decoder_trunk
 from ..numerics.plan import RoundingPlan, engine_plan, plan_for
 from . import compiled
 
-from .choices import ATTN_IMPLS, ENGINE_GEMMS  # noqa: E402  (re-exported)
+from .choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402  (re-exported)
 SOFTMAX_MIN_COLS = 64
 ATTN_MIN_ROWS = 16
 
@@ -68,14 +68,37 @@ class _Layer:
     ln2: Tensor
 
 
-class KVCache:
-    """Per-layer K/V tensors of shape (B, H_kv, T, D), appended one step at a time."""
+_FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 
-    def __init__(self, num_layers: int):
+
+def fp8_kv_roundtrip(x: Tensor, kv_cache_dtype: str, scale: float = 1.0) -> Tensor:
+    """What an fp8 KV cache gives back for ``x``, as vLLM 0.31.0's CUDA cache kernels compute it
+    (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh): store ``cvt_float_to_fp8(float(x) / scale,
+    __NV_SATFINITE)`` (round to nearest even, saturating at the largest finite value), read back
+    ``bf16(float(fp8) * scale)``. ``auto`` returns ``x`` itself. torch's own cast does not saturate (e4m3fn
+    overflows to NaN, e5m2 to inf), hence the clamp; NaN stays NaN."""
+    if kv_cache_dtype == "auto":
+        return x
+    fp8, finite_max = _FP8[kv_cache_dtype]
+    q = (x.float() / scale).clamp(-finite_max, finite_max).to(fp8)
+    return (q.float() * scale).to(x.dtype)
+
+
+class KVCache:
+    """Per-layer K/V tensors of shape (B, H_kv, T, D), appended one step at a time.
+
+    ``kv_cache_dtype`` (vLLM's names): ``auto`` stores K/V as computed; ``fp8_e4m3``/``fp8_e5m2`` store them
+    quantized (``fp8_kv_roundtrip``) and attention reads the dequantized values, for the new tokens of a
+    prefill as well as for cached ones: vLLM V1 writes a step's K/V into the paged cache first and its
+    attention backends read every key and value from there."""
+
+    def __init__(self, num_layers: int, kv_cache_dtype: str = "auto"):
+        self.kv_cache_dtype = check_choice("KV-cache dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self.k: list[Tensor | None] = [None] * num_layers
         self.v: list[Tensor | None] = [None] * num_layers
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = fp8_kv_roundtrip(k, self.kv_cache_dtype), fp8_kv_roundtrip(v, self.kv_cache_dtype)
         if self.k[layer] is None:
             self.k[layer], self.v[layer] = k, v
         else:
@@ -100,11 +123,13 @@ class EngineModel:
         norm_reduction: compiled engine: ``opaque`` (the trainer's eager mean of squares) or ``inductor``.
         attn_decode: attention kernel of decode steps; None = ``attn``.
         lm_head_fp32: logits as an fp32 GEMM (fp32 hidden state, fp32 head weight), returned in fp32.
+        kv_cache_dtype: the KV cache's storage, vLLM's names (``KV_CACHE_DTYPES``); ``new_cache()`` makes one.
     """
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
                  splitk_chunk: int = 64, norm_reduction: str = "opaque", regions: str = "full",
-                 attn_decode: str | None = None, lm_head_fp32: bool = False):
+                 attn_decode: str | None = None, lm_head_fp32: bool = False, kv_cache_dtype: str = "auto"):
+        self.kv_cache_dtype = check_choice("KV-cache dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self.plan: RoundingPlan = engine_plan(engine) if regions == "full" else plan_for(engine, regions)
         self.engine = engine
         self.regions = regions
@@ -139,6 +164,10 @@ class EngineModel:
             self.spec = compiled.make_spec(regions=regions, gemm=gemm, splitk_chunk=splitk_chunk,
                                            norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
                                            qk_norm=self.layers[0].q_norm is not None)
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache of this engine's layer count and storage dtype."""
+        return KVCache(len(self.layers), self.kv_cache_dtype)
 
     @torch.no_grad()
     def sync_weights(self, model: nn.Module) -> None:

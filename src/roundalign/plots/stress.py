@@ -22,12 +22,15 @@ import pandas as pd  # noqa: E402
 from ..config import TRAIN_VARIANTS  # noqa: E402
 from ._common import check_formats, load_table  # noqa: E402
 
+# categorical dose levels in increasing order (engine_kv_cache_dtype: bf16 storage, then 3, then 2 mantissa bits)
+DOSE_ORDER = ("auto", "fp8_e4m3", "fp8_e5m2")
 STEMS = ("stress_survival", "stress_mismatch", "stress_reward", "stress_dose", "stress_gap")
 
 CAPTIONS = {
     "stress_survival": (
         "Kaplan-Meier survival of GRPO runs on the mismatch-stress task (tiny Qwen2/Qwen3 models, digit-string "
-        "copying, emulated engine with split-K GEMMs, SDPA decode and Inductor's RMSNorm reduction): fraction of "
+        "copying, emulated engine with split-K GEMMs, SDPA decode, Inductor's RMSNorm reduction and the dose's "
+        "KV-cache storage): fraction of "
         "runs without a collapse event (non-finite values, reward below half its running best for the configured "
         "number of consecutive steps, or a grad-norm spike above the configured multiple of its running median) "
         "against the optimizer step, one panel per dose level, one line per variant, pooled over models and "
@@ -39,9 +42,10 @@ CAPTIONS = {
         "Mean reward per step (digit-copy prefix credit) against the optimizer step, one panel per dose level: "
         "median over models and seeds, band min-max over them."),
     "stress_dose": (
-        "Dose-response: per-run mean over steps of the token-level mismatch (left, nats, log scale) and the "
-        "fraction of runs with a collapse event (right) against the dose, one line per variant; points are the "
-        "mean over models and seeds."),
+        "Dose-response: each variant at each dose level, placed at its measured mismatch (mean over its runs of "
+        "the per-run mean |delta logp| per token, nats, log scale), against the final reward (left: mean reward "
+        "of the last 10% of steps, averaged over runs) and the fraction of runs with a collapse event (right); "
+        "lines join a variant's dose levels in increasing dose."),
     "stress_gap": (
         "Share of the baseline-to-fp32 mismatch gap closed per variant, (delta_baseline - delta_variant) / "
         "(delta_baseline - delta_fp32) with delta the per-run mean |delta logp| per token averaged over seeds; "
@@ -60,7 +64,13 @@ def _colors(variants):
 
 
 def _doses(df):
-    return sorted(df["dose"].dropna().unique(), key=float)
+    """Dose levels in order: numerically when every level is a number (split-K chunks, outlier scales), else
+    in ``DOSE_ORDER`` (the KV-cache dtypes, from least to most quantized), else alphabetically."""
+    levels = [d for d in df["dose"].dropna().unique()]
+    try:
+        return sorted(levels, key=float)
+    except (TypeError, ValueError):
+        return sorted(levels, key=lambda d: (DOSE_ORDER.index(d) if d in DOSE_ORDER else len(DOSE_ORDER), str(d)))
 
 
 def plot_survival(surv: pd.DataFrame):
@@ -109,19 +119,22 @@ def _per_step(runs_long: pd.DataFrame, metric: str, ylabel: str, log: bool, stre
 
 
 def plot_dose(stress_runs: pd.DataFrame):
-    variants = _variants(stress_runs)
+    """Dose-response: each (variant, dose) cell at its measured mismatch (mean over its runs of the per-run mean
+    |delta logp| per token), against the final reward (left) and the fraction of runs with a collapse event
+    (right); lines join a variant's dose levels in dose order."""
+    variants, doses = _variants(stress_runs), _doses(stress_runs)
     colors = _colors(variants)
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     for v in variants:
         g = stress_runs[stress_runs["variant"] == v].groupby("dose").agg(
-            mismatch=("mismatch_token_logp_abs_diff_mean", "mean"), events=("event", "mean")).reset_index()
-        g = g.sort_values("dose", key=lambda s: s.astype(float))
-        a.plot(g["dose"].astype(float), g["mismatch"], "o-", color=colors[v], label=v)
-        b.plot(g["dose"].astype(float), g["events"], "o-", color=colors[v], label=v)
-    a.set_yscale("log")
-    a.set_xlabel("dose")
-    a.set_ylabel("mean |delta logp| per token (nats)")
-    b.set_xlabel("dose")
+            mismatch=("mismatch_token_logp_abs_diff_mean", "mean"), reward=("reward_last", "mean"),
+            events=("event", "mean")).reindex([d for d in doses if d in set(stress_runs["dose"])]).dropna(how="all")
+        a.plot(g["mismatch"], g["reward"], "o-", color=colors[v], label=v)
+        b.plot(g["mismatch"], g["events"], "o-", color=colors[v], label=v)
+    for ax in (a, b):
+        ax.set_xscale("log")
+        ax.set_xlabel("measured mean |delta logp| per token (nats)")
+    a.set_ylabel("final reward (mean of the last 10% of steps)")
     b.set_ylabel("fraction of runs with a collapse event")
     b.set_ylim(-0.02, 1.02)
     b.legend(fontsize=7)
