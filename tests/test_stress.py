@@ -173,6 +173,7 @@ def test_reduced_stress_sweep_runs_end_to_end_and_writes_the_survival_table(tiny
     settings = dict(model=tiny_qwen3, task="digits", digits_min_len=4, digits_max_len=8, digits_len_step=4,
                     max_completion_length=9, steps=2, prompts_per_step=2, num_generations=2, per_device_batch_size=4,
                     engine="vllm-eager", engine_gemm="splitk", splitk_chunk=8, engine_attn_decode="sdpa",
+                    engine_kv_cache_dtype="fp8_e4m3",
                     reward_collapse_window=1, reward_collapse_patience=1, grad_norm_collapse_factor=10.0,
                     grad_norm_collapse_min_steps=1, checkpoint_every=100)
     for variant in ("baseline", "full+fp32-head", "fp32"):
@@ -184,18 +185,28 @@ def test_reduced_stress_sweep_runs_end_to_end_and_writes_the_survival_table(tiny
     rec = json.loads((root / "runs/mini/baseline/seed0/metrics.jsonl").read_text().splitlines()[0])
     for key in ("mismatch/token/token_mult_prob_error", "mismatch/token/logp_diff_rms", "health/verl_any"):
         assert key in rec
-    paths = write_stress_tables(root, root / "aggregate", "splitk_chunk", **QUIET)
+    paths = write_stress_tables(root, root / "aggregate", "engine_kv_cache_dtype", **QUIET)
     surv = pd.read_csv(paths["stress_survival"])
-    assert set(surv["variant"]) == {"baseline", "full+fp32-head", "fp32"} and (surv["dose"] == 8).all()
+    assert set(surv["variant"]) == {"baseline", "full+fp32-head", "fp32"} and (surv["dose"] == "fp8_e4m3").all()
     runs = pd.read_csv(paths["stress_runs"])
     assert len(runs) == 3 and runs["mismatch_token_token_mult_prob_error"].ge(1).all()
     gap = pd.read_csv(paths["stress_gap"]).set_index("variant")
     assert gap.loc["fp32", "delta"] < gap.loc["baseline", "delta"]
+    # the five stress figures from those tables (and the general aggregate's), a categorical dose included
+    from roundalign.aggregate import aggregate
+    from roundalign.plots import stress as stress_plots
+
+    aggregate(root, root / "aggregate", strict=True, **QUIET)
+    made = stress_plots.make(root / "aggregate", tmp_path / "fig", formats=("png",))
+    assert sorted(p.stem for p in made) == sorted(stress_plots.STEMS) and all(p.stat().st_size > 5000 for p in made)
 
 
 def test_stress_config_dry_run_succeeds():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", "configs/stress.yaml"], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--configfile", "configs/stress.yaml"],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "stress_figures" in res.stdout and "train" in res.stdout
+    # one probe per dose level (they share one policy), each with its dose's KV cache
+    for dt in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        assert res.stdout.count(f"--kv-cache-dtype {dt} --splitk-chunk 16 --norm-reduction inductor") == 1, dt
