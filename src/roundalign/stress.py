@@ -17,8 +17,10 @@ Definitions:
 - Survival: the Kaplan-Meier product-limit estimator S(t) = prod_{t_i <= t} (1 - d_i / n_i) over the distinct
   event times t_i (d_i events among n_i runs still at risk, censored runs leave the risk set after their time),
   with Greenwood's variance Var S(t) = S(t)^2 sum_{t_i <= t} d_i / (n_i (n_i - d_i)) and a pointwise 95% band
-  on the log(-log S) scale (Kalbfleisch & Prentice), which stays inside [0, 1]. Written here rather than taken
-  from ``lifelines`` so the project adds no dependency; ``tests/test_stress.py`` checks it against a hand count.
+  on the log(-log S) scale (Kalbfleisch & Prentice), which stays inside [0, 1]. The estimate and Greenwood's
+  standard error come from statsmodels (``statsmodels.duration.survfunc.SurvfuncRight``; lifelines 0.30.3
+  requires pandas < 3, which conflicts with the pinned pandas); ``tests/test_stress.py`` checks the table
+  against a hand count.
 - Share of gap closed, per (base model, dose, variant): delta = mean over seeds of the run's mean over steps of
   ``gap_metric`` (default: mean |logp_train - logp_engine| per token, nats); share = (delta_baseline - delta) /
   (delta_baseline - delta_floor) with the floor the fp32 run. 1 = as on-policy as fp32 on both sides, 0 = no
@@ -107,29 +109,29 @@ def _base_name(model_path, fallback: str) -> str:
 
 
 def kaplan_meier(time, event) -> pd.DataFrame:
-    """Kaplan-Meier estimate with Greenwood's variance and a log(-log) 95% band.
+    """Kaplan-Meier estimate with Greenwood's variance (statsmodels' ``SurvfuncRight``) and a log(-log) 95% band.
 
     Args: ``time`` (n,) event or censoring step; ``event`` (n,) 1 = event at ``time``, 0 = censored there.
     Returns one row per distinct event time (plus t = 0): time, num_at_risk, num_events, survival, ci_low,
     ci_high. Censoring at the same time as an event counts the censored run as at risk at that time (the usual
     convention)."""
+    from statsmodels.duration.survfunc import SurvfuncRight
+
     t = np.asarray(time, dtype=float)
     e = np.asarray(event, dtype=int)
     rows = [{"time": 0.0, "num_at_risk": len(t), "num_events": 0, "survival": 1.0, "ci_low": 1.0, "ci_high": 1.0}]
-    s, gw = 1.0, 0.0
-    for ti in np.unique(t[e == 1]):
-        n = int((t >= ti).sum())
-        d = int(((t == ti) & (e == 1)).sum())
-        s *= 1.0 - d / n
-        gw = gw + (d / (n * (n - d)) if n > d else math.inf)
-        if 0 < s < 1 and math.isfinite(gw):
-            # log(-log S) band: se = sqrt(gw) / |log S|; S^exp(+-z se)
-            se = math.sqrt(gw) / abs(math.log(s))
+    if not e.any():
+        return pd.DataFrame(rows)
+    sf = SurvfuncRight(t, e)
+    for ti, n, d, s, se_s in zip(sf.surv_times, sf.n_risk, sf.n_events, sf.surv_prob, sf.surv_prob_se):
+        if 0 < s < 1 and np.isfinite(se_s):
+            # Greenwood: se(S) = S sqrt(gw); the log(-log S) band: se = sqrt(gw) / |log S|, S^exp(+-z se)
+            se = se_s / s / abs(math.log(s))
             lo, hi = s ** math.exp(_Z95 * se), s ** math.exp(-_Z95 * se)
         else:
             lo, hi = (0.0, 0.0) if s == 0 else (s, s)
-        rows.append({"time": float(ti), "num_at_risk": n, "num_events": d, "survival": s, "ci_low": lo,
-                     "ci_high": hi})
+        rows.append({"time": float(ti), "num_at_risk": int(n), "num_events": int(d), "survival": float(s),
+                     "ci_low": float(lo), "ci_high": float(hi)})
     return pd.DataFrame(rows)
 
 
