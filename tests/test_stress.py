@@ -198,7 +198,16 @@ def test_reduced_stress_sweep_runs_end_to_end_and_writes_the_survival_table(tiny
 
     aggregate(root, root / "aggregate", strict=True, **QUIET)
     made = stress_plots.make(root / "aggregate", tmp_path / "fig", formats=("png",))
-    assert sorted(p.stem for p in made) == sorted(stress_plots.STEMS) and all(p.stat().st_size > 5000 for p in made)
+    pngs = [p for p in made if p.suffix == ".png"]
+    assert sorted(p.stem for p in pngs) == sorted(stress_plots.STEMS) and all(p.stat().st_size > 5000 for p in pngs)
+    # the summary table restates the per-run table: one row per variant here, its mismatch the run's
+    summary = pd.read_csv(tmp_path / "fig/stress_summary.csv").set_index("variant")
+    assert summary["runs"].tolist() == [1, 1, 1] and (summary["dose"] == "fp8_e4m3").all()
+    by_variant = runs.set_index("variant")
+    assert summary.loc["baseline", "logp_abs_diff_mean"] == pytest.approx(
+        by_variant.loc["baseline", "mismatch_token_logp_abs_diff_mean"], rel=1e-12)
+    assert summary.loc["fp32", "share_closed"] == pytest.approx(1.0)
+    assert "| fp8_e4m3 | baseline | 1 |" in (tmp_path / "fig/stress_summary.md").read_text()
 
 
 def test_stress_config_dry_run_succeeds():

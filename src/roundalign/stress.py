@@ -5,6 +5,7 @@ Reads the same per-run files as ``roundalign.aggregate`` (``R/runs/{model}/{vari
 ``metrics.jsonl``) and writes, next to its tables::
 
     stress_runs.csv      sweep,model,base,dose,variant,seed,status,last_step,event,event_kind,event_step,time,
+                         reward_collapse_step, grad_norm_collapse_step (each detector's own first step, any order),
                          <per-run means of the mismatch metrics>, verl_violation_frac, reward_first, reward_last
     stress_survival.csv  variant,dose,time,num_at_risk,num_events,survival,ci_low,ci_high
     stress_gap.csv       base,dose,variant,gap_metric,delta,delta_baseline,delta_floor,share_closed
@@ -84,7 +85,9 @@ def read_stress_runs(results_root: str | Path, dose_key: str, sweep: str | None 
                "dose": cfg.get(dose_key), "variant": variant_dir.name, "seed": int(m.group(1)),
                "status": rec.get("status"), "last_step": last, "event": int(ev is not None),
                "event_kind": ev["kind"] if ev else "", "event_step": ev["step"] if ev else math.nan,
-               "time": ev["step"] if ev else last}
+               "time": ev["step"] if ev else last,
+               "reward_collapse_step": (rec.get("reward_collapse") or {}).get("step", math.nan),
+               "grad_norm_collapse_step": (rec.get("grad_norm_collapse") or {}).get("step", math.nan)}
         for key in RUN_MEAN_METRICS:
             vals = [r[key] for r in metrics if r.get(key) is not None]
             row[_col(key)] = float(np.mean(vals)) if vals else math.nan
@@ -96,7 +99,8 @@ def read_stress_runs(results_root: str | Path, dose_key: str, sweep: str | None 
         row["reward_last"] = float(np.mean(rewards[-k:])) if rewards else math.nan
         rows.append(row)
     cols = ["sweep", "model", "base", "dose", "variant", "seed", "status", "last_step", "event", "event_kind",
-            "event_step", "time", *[_col(k) for k in RUN_MEAN_METRICS], "verl_violation_frac", "reward_first",
+            "event_step", "time", "reward_collapse_step", "grad_norm_collapse_step",
+            *[_col(k) for k in RUN_MEAN_METRICS], "verl_violation_frac", "reward_first",
             "reward_last"]
     df = pd.DataFrame(rows, columns=cols)
     return df.sort_values(["base", "dose", "variant", "seed", "model"], kind="stable").reset_index(drop=True)

@@ -31,4 +31,4 @@ def stress_figure_targets(sweep):
         sweep=sweep,
         stem=STRESS_FIGURE_STEMS,
         ext=["png", "pdf"],
-    )
+    ) + expand("figures/{sweep}/stress_summary.{ext}", sweep=sweep, ext=["csv", "md"])

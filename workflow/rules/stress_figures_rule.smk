@@ -15,6 +15,7 @@ rule stress_figures:
             for stem in STRESS_FIGURE_STEMS
         ],
         expand("figures/{{sweep}}/{stem}.pdf", stem=STRESS_FIGURE_STEMS),
+        expand("figures/{{sweep}}/stress_summary.{ext}", ext=["csv", "md"]),
     log:
         "logs/{sweep}/stress_figures.log",
     localrule: True

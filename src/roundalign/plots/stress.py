@@ -3,7 +3,7 @@
     roundalign plot-stress --aggregate results/stress/aggregate --out figures/stress
 
 Writes ``stress_survival``, ``stress_mismatch``, ``stress_reward``, ``stress_dose`` and ``stress_gap`` in each
-format. Categories are sorted (variants in the order of ``roundalign.config.TRAIN_VARIANTS``, doses numerically),
+format, and ``stress_summary.csv``/``.md`` (one row per dose and variant: ``summary_table``). Categories are sorted (variants in the order of ``roundalign.config.TRAIN_VARIANTS``, doses numerically),
 seed bands are min-max over seeds (no resampling, so nothing random), and file metadata carries no timestamp:
 reruns give identical bytes.
 """
@@ -20,6 +20,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..config import TRAIN_VARIANTS  # noqa: E402
+from ..io import atomic_write_csv, atomic_write_text  # noqa: E402
+from ..stress import _frozen  # noqa: E402
 from ._common import check_formats, load_table  # noqa: E402
 
 # categorical dose levels in increasing order (engine_kv_cache_dtype: bf16 storage, then 3, then 2 mantissa bits)
@@ -164,6 +166,52 @@ def plot_gap(gap: pd.DataFrame):
     return fig, ax
 
 
+SUMMARY_COLUMNS = ["dose", "variant", "runs", "events", "events_reward", "events_grad_norm", "events_nonfinite",
+                   "reward_collapses_any", "event_step_median", "logp_abs_diff_mean", "k3_mean", "token_mult_prob_error",
+                   "verl_violation_frac", "reward_first", "reward_last", "reward_last_sd", "share_closed"]
+
+
+def summary_table(stress_runs: pd.DataFrame, gap: pd.DataFrame) -> pd.DataFrame:
+    """One row per (dose, variant), pooled over models and seeds: run and event counts (by kind of each run's
+    first event; ``reward_collapses_any`` counts runs with a reward collapse at any step, also after an earlier
+    event of another kind), the median event step, means over runs of the per-run mismatch means, of the fraction of steps violating verl's health
+    checks and of the first/last 10% reward (with the standard deviation over runs of the last), and the mean
+    over models of the share of gap closed."""
+    rows = []
+    for dose in _doses(stress_runs):
+        for v in _variants(stress_runs):
+            g = stress_runs[(stress_runs["dose"] == dose) & (stress_runs["variant"] == v)]
+            if g.empty:
+                continue
+            kinds = pd.Series([k if isinstance(k, str) else "" for k in g["event_kind"]], dtype=object)
+            share = gap[(gap["dose"] == dose) & (gap["variant"] == v)]["share_closed"]
+            rows.append({
+                "dose": dose, "variant": v, "runs": len(g), "events": int(g["event"].sum()),
+                "events_reward": int((kinds == "reward").sum()), "events_grad_norm": int((kinds == "grad_norm").sum()),
+                "events_nonfinite": int((kinds == "nonfinite").sum()),
+                "reward_collapses_any": int(g["reward_collapse_step"].notna().sum()),
+                "event_step_median": float(g["event_step"].median()) if g["event"].any() else np.nan,
+                "logp_abs_diff_mean": g["mismatch_token_logp_abs_diff_mean"].mean(),
+                "k3_mean": g["mismatch_token_k3"].mean(),
+                "token_mult_prob_error": g["mismatch_token_token_mult_prob_error"].mean(),
+                "verl_violation_frac": g["verl_violation_frac"].mean(),
+                "reward_first": g["reward_first"].mean(), "reward_last": g["reward_last"].mean(),
+                "reward_last_sd": g["reward_last"].std(ddof=1) if len(g) > 1 else np.nan,
+                "share_closed": share.mean() if len(share) else np.nan})
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+def _summary_markdown(table: pd.DataFrame) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return "" if np.isnan(v) else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
 def make(aggregate_dir, out_dir, formats=("png", "pdf")) -> list[Path]:
     formats = check_formats(formats)
     aggregate_dir, out_dir = Path(aggregate_dir), Path(out_dir)
@@ -189,4 +237,7 @@ def make(aggregate_dir, out_dir, formats=("png", "pdf")) -> list[Path]:
             figs[stem].savefig(p, dpi=120, metadata=meta)
             paths.append(p)
         plt.close(figs[stem])
-    return paths
+    table = summary_table(stress_runs, gap)
+    atomic_write_csv(_frozen(table), out_dir / "stress_summary.csv")
+    atomic_write_text(out_dir / "stress_summary.md", _summary_markdown(table))
+    return paths + [out_dir / "stress_summary.csv", out_dir / "stress_summary.md"]
