@@ -204,7 +204,7 @@ def summary_table(stress_runs: pd.DataFrame, gap: pd.DataFrame) -> pd.DataFrame:
 def _summary_markdown(table: pd.DataFrame) -> str:
     def fmt(v):
         if isinstance(v, float):
-            return "" if np.isnan(v) else f"{v:.3g}"
+            return "" if np.isnan(v) else f"{v:.4g}"
         return str(v)
 
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
