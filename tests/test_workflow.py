@@ -161,6 +161,10 @@ def test_report_captions_are_the_plot_captions():
 
     for stem, caption in CAPTIONS.items():
         assert (ROOT / f"workflow/report/{stem}.rst").read_text() == textwrap.fill(caption, 110) + "\n", stem
+    from roundalign.plots.stress import CAPTIONS as STRESS_CAPTIONS
+
+    for stem, caption in STRESS_CAPTIONS.items():
+        assert (ROOT / f"workflow/report/{stem}.rst").read_text() == caption + "\n", stem
 
 
 @pytest.fixture

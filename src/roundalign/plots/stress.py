@@ -30,7 +30,7 @@ STEMS = ("stress_survival", "stress_mismatch", "stress_reward", "stress_dose", "
 
 CAPTIONS = {
     "stress_survival": (
-        "Kaplan-Meier survival of GRPO runs on the mismatch-stress task (tiny Qwen2/Qwen3 models, digit-string "
+        "Kaplan-Meier survival of GRPO runs on the mismatch-stress task (tiny Qwen-architecture models, digit-string "
         "copying, emulated engine with split-K GEMMs, SDPA decode, Inductor's RMSNorm reduction and the dose's "
         "KV-cache storage): fraction of "
         "runs without a collapse event (non-finite values, reward below half its running best for the configured "
