@@ -214,3 +214,18 @@ def test_probe_only_sweep_writes_empty_run_tables(tmp_path):
     aggregate(tmp_path, tmp_path / "agg", log=lambda _: None)
     assert (tmp_path / "agg" / "runs.csv").read_text() == ",".join(RUNS_COLUMNS) + "\n"
     assert len(pd.read_csv(tmp_path / "agg" / "probe.csv")) == 1
+
+
+def test_metrics_option_keeps_only_those_keys_and_names_unknown_ones(tree, capsys):
+    out = tree / "aggregate"
+    aggregate(tree, out, metrics=("reward/mean",))
+    runs = pd.read_csv(out / "runs.csv")
+    assert set(runs["metric"]) == {"reward/mean"} and len(runs) == 3 + 2
+    assert pd.read_csv(out / "run_status.csv").shape[0] == 2  # per-run tables are not filtered
+    before = (out / "runs.csv").read_bytes()
+    with pytest.raises(ValueError, match=r"logged reward/mean_typo; logged keys: k3, optim/grad_norm, reward/mean"):
+        aggregate(tree, out, metrics=("reward/mean", "reward/mean_typo"))
+    assert (out / "runs.csv").read_bytes() == before  # nothing written on the error
+    # the CLI spelling
+    assert main(["aggregate", "--results", str(tree), "--out", str(out), "--metrics", "k3,reward/mean"]) == 0
+    assert set(pd.read_csv(out / "runs.csv")["metric"]) == {"k3", "reward/mean"}

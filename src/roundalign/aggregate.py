@@ -335,14 +335,23 @@ def format_skipped(skipped: list[tuple[str, str]]) -> str:
 
 
 def aggregate(results_root: str | Path, out_dir: str | Path, strict: bool = False, sweep: str | None = None,
-              log=print, warn=None) -> Aggregate:
+              log=print, warn=None, metrics=None) -> Aggregate:
     """Collect ``results_root`` and write the tables into ``out_dir``; print a one-line summary.
 
     With ``strict`` any bad file raises ValueError naming every bad file (nothing is written); otherwise
-    bad files are skipped and one warning (via ``warn``, default: stderr) lists them all.
+    bad files are skipped and one warning (via ``warn``, default: stderr) lists them all. ``metrics`` (keys of
+    metrics.jsonl) keeps only those in ``runs.csv``; a key no run logged raises ValueError naming it and the
+    keys that exist, before anything is written.
     """
     warn = warn or (lambda msg: print(msg, file=sys.stderr))
     agg = collect(results_root, sweep=sweep)
+    if metrics:
+        present = set(agg.runs["metric"].unique())
+        missing = [m for m in metrics if m not in present]
+        if missing:
+            raise ValueError(f"--metrics: no run under {results_root} logged {', '.join(missing)}; logged keys: "
+                             f"{', '.join(sorted(present))}")
+        agg.runs = agg.runs[agg.runs["metric"].isin(list(metrics))].reset_index(drop=True)
     if agg.skipped and strict:
         raise ValueError(f"{len(agg.skipped)} bad file(s) under {results_root} (--strict):\n"
                          + format_skipped(agg.skipped))

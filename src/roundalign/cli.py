@@ -132,6 +132,8 @@ def make_parser() -> argparse.ArgumentParser:
     ag.add_argument("--strict", action="store_true",
                     help="fail (exit 2) naming every bad file; default: skip them with one warning")
     ag.add_argument("--sweep", help="value of the sweep column (default: the results root's directory name)")
+    ag.add_argument("--metrics", type=_csv_list, default=None,
+                    help="comma-separated metrics.jsonl keys to keep in runs.csv (default: every key)")
     ag.add_argument("--stress-dose-key", help="stress sweep: also write stress_runs/stress_survival/stress_gap.csv, "
                                               "with this train setting as the dose column")
     ag.add_argument("--stress-floor", default="fp32", help="stress: floor variant of the share of gap (default fp32)")
@@ -231,7 +233,7 @@ def run_pretrain_tiny(args) -> None:
 def run_aggregate(args) -> None:
     from .aggregate import aggregate
 
-    aggregate(args.results, args.out, strict=args.strict, sweep=args.sweep)
+    aggregate(args.results, args.out, strict=args.strict, sweep=args.sweep, metrics=args.metrics)
     if args.stress_dose_key:
         from .stress import write_stress_tables
 

@@ -68,6 +68,11 @@ def aggregate_targets(sweep):
     )
 
 
+def aggregate_args():
+    keys = SWEEP.config.get("aggregate_metrics") or []
+    return f"--metrics {','.join(keys)}" if keys else ""
+
+
 def stress_args():
     s = SWEEP.stress
     if not s:

@@ -15,9 +15,10 @@ rule aggregate:
         CONDA_ENV
     params:
         stress=stress_args(),
+        metrics=aggregate_args(),
     shell:
         "python -m roundalign aggregate --results results/{wildcards.sweep} --sweep {wildcards.sweep} "
-        "--out results/{wildcards.sweep}/aggregate {params.stress} > {log} 2>&1"
+        "--out results/{wildcards.sweep}/aggregate {params.metrics} {params.stress} > {log} 2>&1"
 
 
 include: "figures_rule.smk"
