@@ -136,7 +136,7 @@ def plot_dose(stress_runs: pd.DataFrame):
     for ax in (a, b):
         ax.set_xscale("log")
         ax.set_xlabel("measured mean |delta logp| per token (nats)")
-    a.set_ylabel("final reward (mean of the last 10% of steps)")
+    a.set_ylabel("final reward (last 10% of steps)")
     b.set_ylabel("fraction of runs with a collapse event")
     b.set_ylim(-0.02, 1.02)
     b.legend(fontsize=7)
