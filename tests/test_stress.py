@@ -212,7 +212,8 @@ def test_reduced_stress_sweep_runs_end_to_end_and_writes_the_survival_table(tiny
 
 def test_stress_config_dry_run_succeeds():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--configfile", "configs/stress.yaml"],
+    res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--forceall", "--configfile",
+                          "configs/stress.yaml"],
                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "stress_figures" in res.stdout and "train" in res.stdout
