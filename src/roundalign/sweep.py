@@ -9,12 +9,18 @@ name the key, e.g. ``models.qwen3-4b.train.prompts_per_step``, before any job ru
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import TRAIN_VARIANTS, ConfigError, build_config
+
+
+@functools.cache
+def _train_defaults() -> dict:
+    return build_config(overrides={"model": "x"}).to_dict()
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # keys the sweep sets per run; a train: section may not set them
@@ -108,13 +114,16 @@ class Sweep:
         """TrainConfig keys for ``model``: the sweep's ``train:`` updated by the model's own ``train:``."""
         return {**self.config.get("train", {}), **self.models[model].get("train", {})}
 
+    def train_settings(self, model: str) -> dict:
+        """Every TrainConfig key for ``model``: TrainConfig's defaults updated by ``train_overrides``."""
+        return {**_train_defaults(), **self.train_overrides(model)}
+
     def probe_engine_args(self, model: str) -> str:
         """The emulated engine's storage and kernel settings of ``model``'s training runs, for its probe: the
-        probe then measures, at identical weights, the engine those runs sample from (a stress dose included).
-        Keys the training runs leave at their defaults give the probe's defaults."""
-        o = self.train_overrides(model)
-        return (f"--kv-cache-dtype {o.get('engine_kv_cache_dtype', 'auto')} --splitk-chunk {o.get('splitk_chunk', 64)} "
-                f"--norm-reduction {o.get('engine_norm_reduction', 'opaque')}")
+        probe then measures, at identical weights, the engine those runs sample from (a stress dose included)."""
+        o = self.train_settings(model)
+        return (f"--kv-cache-dtype {o['engine_kv_cache_dtype']} --splitk-chunk {o['splitk_chunk']} "
+                f"--norm-reduction {o['engine_norm_reduction']}")
 
     def uses_math(self) -> bool:
         return any(self.train_overrides(m).get("task") == "math" for m in self.models)
@@ -150,8 +159,7 @@ class Sweep:
 
     def dose_of(self, model: str):
         """The model's value of the stress dose key (its train override, else TrainConfig's default)."""
-        key = self.stress["dose_key"]
-        return self.train_overrides(model).get(key, build_config(overrides={"model": "x"}).to_dict()[key])
+        return self.train_settings(model)[self.stress["dose_key"]]
 
     def run_dir(self, model: str, variant: str, seed) -> str:
         return str(self.workdir / "runs" / self.name / model / variant / f"seed{seed}")

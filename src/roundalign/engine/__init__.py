@@ -17,5 +17,6 @@ def __getattr__(name):
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'roundalign.engine' has no attribute {name!r}")
 
-__all__ = ["Engine", "NonFiniteLogitsError", "Sample", "EngineModel", "KVCache", "ATTN_IMPLS", "ENGINE_GEMMS", "KV_CACHE_DTYPES",
-           "NORM_REDUCTIONS"]
+
+__all__ = ["Engine", "NonFiniteLogitsError", "Sample", "EngineModel", "KVCache", "ATTN_IMPLS", "ENGINE_GEMMS",
+           "KV_CACHE_DTYPES", "NORM_REDUCTIONS"]

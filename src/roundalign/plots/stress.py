@@ -3,9 +3,10 @@
     roundalign plot-stress --aggregate results/stress/aggregate --out figures/stress
 
 Writes ``stress_survival``, ``stress_mismatch``, ``stress_reward``, ``stress_dose`` and ``stress_gap`` in each
-format, and ``stress_summary.csv``/``.md`` (one row per dose and variant: ``summary_table``). Categories are sorted (variants in the order of ``roundalign.config.TRAIN_VARIANTS``, doses numerically),
-seed bands are min-max over seeds (no resampling, so nothing random), and file metadata carries no timestamp:
-reruns give identical bytes.
+format, and ``stress_summary.csv``/``.md`` (one row per dose and variant: ``summary_table``). Categories are
+sorted (variants in the order of ``roundalign.config.TRAIN_VARIANTS``, doses by ``_doses``), seed bands are
+min-max over seeds (no resampling, so nothing random), and file metadata carries no timestamp: reruns give
+identical bytes.
 """
 
 from __future__ import annotations
@@ -20,23 +21,21 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..config import TRAIN_VARIANTS  # noqa: E402
+from ..engine.choices import KV_CACHE_DTYPES  # noqa: E402
 from ..io import atomic_write_csv, atomic_write_text  # noqa: E402
 from ..stress import _frozen  # noqa: E402
 from ._common import check_formats, load_table  # noqa: E402
 
-# categorical dose levels in increasing order (engine_kv_cache_dtype: bf16 storage, then 3, then 2 mantissa bits)
-DOSE_ORDER = ("auto", "fp8_e4m3", "fp8_e5m2")
 STEMS = ("stress_survival", "stress_mismatch", "stress_reward", "stress_dose", "stress_gap")
 
 CAPTIONS = {
     "stress_survival": (
-        "Kaplan-Meier survival of GRPO runs on the mismatch-stress task (tiny Qwen-architecture models, digit-string "
-        "copying, emulated engine with split-K GEMMs, SDPA decode, Inductor's RMSNorm reduction and the dose's "
-        "KV-cache storage): fraction of "
-        "runs without a collapse event (non-finite values, reward below half its running best for the configured "
-        "number of consecutive steps, or a grad-norm spike above the configured multiple of its running median) "
-        "against the optimizer step, one panel per dose level, one line per variant, pooled over models and "
-        "seeds; bands are pointwise 95% Greenwood intervals (log-log scale)."),
+        "Kaplan-Meier survival of GRPO runs on the mismatch-stress task (tiny Qwen-architecture models, "
+        "digit-string copying, emulated engine with split-K GEMMs, SDPA decode, Inductor's RMSNorm reduction and "
+        "the dose's KV-cache storage): fraction of runs without a collapse event (non-finite values, reward "
+        "below half its running best for the configured number of consecutive steps, or a grad-norm spike above "
+        "the configured multiple of its running median) against the optimizer step, one panel per dose level, "
+        "one line per variant, pooled over models and seeds; bands are pointwise 95% Greenwood intervals (log-log scale)."),
     "stress_mismatch": (
         "Mean |log p_train - log p_engine| per sampled token (nats, log scale) against the optimizer step, one "
         "panel per dose level, one line per variant: median over models and seeds, band min-max over them."),
@@ -67,12 +66,13 @@ def _colors(variants):
 
 def _doses(df):
     """Dose levels in order: numerically when every level is a number (split-K chunks, outlier scales), else
-    in ``DOSE_ORDER`` (the KV-cache dtypes, from least to most quantized), else alphabetically."""
+    in ``KV_CACHE_DTYPES``' order (bf16 storage, then 3, then 2 mantissa bits), else alphabetically."""
     levels = [d for d in df["dose"].dropna().unique()]
     try:
         return sorted(levels, key=float)
     except (TypeError, ValueError):
-        return sorted(levels, key=lambda d: (DOSE_ORDER.index(d) if d in DOSE_ORDER else len(DOSE_ORDER), str(d)))
+        order = KV_CACHE_DTYPES
+        return sorted(levels, key=lambda d: (order.index(d) if d in order else len(order), str(d)))
 
 
 def plot_survival(surv: pd.DataFrame):
@@ -167,16 +167,17 @@ def plot_gap(gap: pd.DataFrame):
 
 
 SUMMARY_COLUMNS = ["dose", "variant", "runs", "events", "events_reward", "events_grad_norm", "events_nonfinite",
-                   "reward_collapses_any", "event_step_median", "logp_abs_diff_mean", "k3_mean", "token_mult_prob_error",
-                   "verl_violation_frac", "reward_first", "reward_last", "reward_last_sd", "share_closed"]
+                   "reward_collapses_any", "event_step_median", "logp_abs_diff_mean", "k3_mean",
+                   "token_mult_prob_error", "verl_violation_frac", "reward_first", "reward_last", "reward_last_sd",
+                   "share_closed"]
 
 
 def summary_table(stress_runs: pd.DataFrame, gap: pd.DataFrame) -> pd.DataFrame:
     """One row per (dose, variant), pooled over models and seeds: run and event counts (by kind of each run's
     first event; ``reward_collapses_any`` counts runs with a reward collapse at any step, also after an earlier
-    event of another kind), the median event step, means over runs of the per-run mismatch means, of the fraction of steps violating verl's health
-    checks and of the first/last 10% reward (with the standard deviation over runs of the last), and the mean
-    over models of the share of gap closed."""
+    event of another kind), the median event step, means over runs of the per-run mismatch means, of the
+    fraction of steps violating verl's health checks and of the first/last 10% reward (with the standard
+    deviation over runs of the last), and the mean over models of the share of gap closed."""
     rows = []
     for dose in _doses(stress_runs):
         for v in _variants(stress_runs):
@@ -187,7 +188,8 @@ def summary_table(stress_runs: pd.DataFrame, gap: pd.DataFrame) -> pd.DataFrame:
             share = gap[(gap["dose"] == dose) & (gap["variant"] == v)]["share_closed"]
             rows.append({
                 "dose": dose, "variant": v, "runs": len(g), "events": int(g["event"].sum()),
-                "events_reward": int((kinds == "reward").sum()), "events_grad_norm": int((kinds == "grad_norm").sum()),
+                "events_reward": int((kinds == "reward").sum()),
+                "events_grad_norm": int((kinds == "grad_norm").sum()),
                 "events_nonfinite": int((kinds == "nonfinite").sum()),
                 "reward_collapses_any": int(g["reward_collapse_step"].notna().sum()),
                 "event_step_median": float(g["event_step"].median()) if g["event"].any() else np.nan,
