@@ -101,6 +101,42 @@ def test_the_post_attention_sum_is_never_rounded(arch):
     assert _differ(literal, states[0]) > 0.01
 
 
+@pytest.mark.parametrize("layers,tie", [(1, False), (3, True)])
+def test_full_is_bitwise_equal_to_the_one_graph_cpu_engine(arch, layers, tie):
+    """vLLM-CPU compiles the whole model as one Inductor graph (attention an opaque op inside it); the emulated
+    ``vllm-cpu-compiled`` engine is produced the same way, and the trainer aligned to it (compiled region kernels,
+    the default for this target) matches it; the piecewise map does not."""
+    model = random_qwen(arch, layers=layers, tie=tie)
+    ids = _ids()
+    engine = EngineModel(model, engine="vllm-cpu-compiled").forward(ids, KVCache(layers))
+    apply_alignment(model, "full", "vllm-cpu-compiled")
+    assert torch.equal(_trainer_logits(model, ids), engine)
+    if layers > 1:  # with one layer no sum crosses an attention call: the two maps coincide
+        apply_alignment(model, "full", "vllm-compiled")
+        assert _differ(_trainer_logits(model, ids), engine) > 0.05
+
+
+@pytest.mark.parametrize("region", ["rope", "swiglu", "norm"])
+def test_each_single_region_variant_matches_its_one_graph_engine(arch, region):
+    model = random_qwen(arch, layers=3)
+    ids = _ids()
+    engine = EngineModel(model, engine="vllm-cpu-compiled", regions=region).forward(ids, KVCache(3))
+    apply_alignment(model, region, "vllm-cpu-compiled")
+    assert torch.equal(_trainer_logits(model, ids), engine)
+
+
+def test_the_one_graph_engine_never_rounds_the_residual_stream(arch):
+    """Read off the one-graph engine: its layer-input sums are not rounded either (the piecewise engine rounds
+    them where they cross attention), so layer 1's stream differs from the piecewise engine's."""
+    model = random_qwen(arch, layers=3)
+    ids = _ids()
+    one, pieces = [], []
+    EngineModel(model, engine="vllm-cpu-compiled", norm_reduction="opaque").forward(ids, KVCache(3), one)
+    EngineModel(model, engine="vllm-compiled").forward(ids, KVCache(3), pieces)
+    assert torch.equal(one[0], pieces[0])  # layer 0: the same sums (only later layers read a rounded input)
+    assert _differ(one[-1], pieces[-1]) > 0.01
+
+
 def test_kv_cache_decode_equals_prefill_and_inductor_reduction(arch):
     model = random_qwen(arch, layers=2)
     ids = _ids(seq=11)
@@ -132,7 +168,7 @@ def test_compiled_pieces_are_reused_across_layers_and_models():
     EngineModel(other, engine="vllm-compiled").forward(ids, KVCache(6))
     assert C.COMPILE_STATS["graphs"] == before
     kinds = {kind for (_, kind) in C._COMPILED}
-    assert kinds <= {"first", "mid", "last"}
+    assert kinds <= {"first", "mid", "last", "whole"}  # "whole": the one-graph CPU engine of other tests
 
 
 def test_bad_engine_options_name_the_choices():

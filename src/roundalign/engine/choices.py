@@ -2,6 +2,9 @@
 Snakemake invocation; ``roundalign.engine`` itself imports torch and transformers)."""
 
 ATTN_IMPLS = ("eager", "sdpa")
+# the emulated engine and the probe's trainer side may also attend with vLLM's own CPU kernel (roundalign.vllm_cpu;
+# forward only, so not a training choice)
+ENGINE_ATTN_IMPLS = ATTN_IMPLS + ("vllm_cpu",)
 ENGINE_GEMMS = ("same", "splitk")
 NORM_REDUCTIONS = ("opaque", "inductor")
 # vLLM's ``--kv-cache-dtype`` names: "auto" keeps K/V in the model dtype; the fp8 formats store them quantized

@@ -163,6 +163,36 @@ def _(x, residual, w, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+# Attention of the one-graph engine: an opaque op that appends the new K/V to the cache (the engine's own
+# ``KVCache`` rules, fp8 storage included) and attends; the engine instance is found by a handle, so the graph
+# carries no Python object.
+_ATTENTION_OWNERS: dict = {}
+
+
+def register_attention_owner(owner) -> Tensor:
+    """A handle (0-dim int64 tensor) by which the one-graph engine's attention op finds ``owner``."""
+    import weakref
+
+    handle = id(owner)
+    _ATTENTION_OWNERS[handle] = owner
+    weakref.finalize(owner, _ATTENTION_OWNERS.pop, handle, None)
+    return torch.tensor(handle, dtype=torch.int64)
+
+
+@torch.library.custom_op("roundalign::engine_attention", mutates_args=())
+def _engine_attention(q: Tensor, k: Tensor, v: Tensor, k_past: Tensor, v_past: Tensor, bsz: int, handle: Tensor
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    # the handle is a tensor, not an int: Dynamo would specialise the graph on every engine instance's id
+    return _ATTENTION_OWNERS[int(handle)].attend_with_past(q, k, v, k_past, v_past, bsz)
+
+
+@_engine_attention.register_fake
+def _(q, k, v, k_past, v_past, bsz, handle):
+    new = q.shape[0] // bsz
+    shape = (*k_past.shape[:2], k_past.shape[2] + new, k_past.shape[3])
+    return q.new_empty(q.shape), k_past.new_empty(shape), v_past.new_empty(shape)
+
+
 # ----------------------------------------------------------------------------------------------
 # The pieces, written the way vLLM writes Qwen2/Qwen3, each region either vLLM-native (compiled) or HF
 # (opaque).
@@ -172,10 +202,11 @@ class _Spec:
     """Everything that fixes a piece's graph (besides tensor shapes): hashable, the compile-cache key."""
 
     def __init__(self, *, regions: frozenset, gemm: str, splitk_chunk: int, norm_reduction: str, eps: float,
-                 head_dim: int, qk_norm: bool):
+                 head_dim: int, qk_norm: bool, whole: bool = False):
         self.regions, self.gemm, self.splitk_chunk = regions, gemm, splitk_chunk
         self.norm_reduction, self.eps, self.head_dim, self.qk_norm = norm_reduction, eps, head_dim, qk_norm
-        self.key = (tuple(sorted(regions)), gemm, splitk_chunk, norm_reduction, eps, head_dim, qk_norm)
+        self.whole = whole
+        self.key = (tuple(sorted(regions)), gemm, splitk_chunk, norm_reduction, eps, head_dim, qk_norm, whole)
 
     # -- building blocks ---------------------------------------------------------------------------
 
@@ -255,6 +286,31 @@ class _Spec:
         x, residual = self.tail(attn, residual, wo, ln2, wg, wu, wd)
         return self.add_norm(x, residual, final_norm)
 
+    # -- the whole model as one graph (vLLM's CPU platform) ------------------------------------------------
+
+    def piece_whole(self, input_ids, positions, embed, cache, final_norm, layer_w, past, bsz: int, handle):
+        """vLLM-CPU's compiled forward: every layer in ONE graph, attention (with its KV-cache write) an opaque
+        op inside it (``roundalign::engine_attention``), as ``CompilationMode.DYNAMO_TRACE_ONCE`` traces the
+        model with no splitting ops. ``layer_w``: per layer the 9 head weights then the 5 tail weights;
+        ``past``: per layer the cached K then V, (B, H_kv, T_past, D). Returns the final hidden states, the
+        new K/V per layer, and the residual stream after each layer in fp32: vLLM's ``x_residual`` upcast, which
+        Inductor folds into the unrounded sum (a bf16 output would be a stored rounding that later kernels could
+        read instead of the sum; the caller rounds these copies for the per-layer comparison)."""
+        x = F.embedding(input_ids, embed)
+        residual = None
+        new_kv, states = [], []
+        for i, w in enumerate(layer_w):
+            q, k, v, residual = self.head(x, residual, positions, cache, *w[:9])
+            if i > 0:  # the input add of layer i formed the stream after layer i - 1
+                states.append(residual.float())
+            attn, k_all, v_all = torch.ops.roundalign.engine_attention(q, k, v, past[2 * i], past[2 * i + 1],
+                                                                       bsz, handle)
+            new_kv += [k_all, v_all]
+            x, residual = self.tail(attn, residual, *w[9:])
+        hidden, last = self.add_norm(x, residual, final_norm)
+        states.append(last.float())
+        return hidden, new_kv, states
+
 
 # Compiled pieces per process: {(spec key, piece kind): compiled callable}
 _COMPILED: dict[tuple, object] = {}
@@ -304,13 +360,13 @@ def _call(fn, *args):
 
 
 def make_spec(*, regions: str, gemm: str, splitk_chunk: int, norm_reduction: str, eps: float, head_dim: int,
-              qk_norm: bool) -> _Spec:
+              qk_norm: bool, whole: bool = False) -> _Spec:
     if regions not in REGION_SETS:
         raise ValueError(f"unknown engine region set {regions!r}; valid: {', '.join(REGION_SETS)}")
     if norm_reduction not in NORM_REDUCTIONS:
         raise ValueError(f"unknown norm_reduction {norm_reduction!r}; valid: {', '.join(NORM_REDUCTIONS)}")
     return _Spec(regions=REGION_SETS[regions], gemm=gemm, splitk_chunk=splitk_chunk, norm_reduction=norm_reduction,
-                 eps=eps, head_dim=head_dim, qk_norm=qk_norm)
+                 eps=eps, head_dim=head_dim, qk_norm=qk_norm, whole=whole)
 
 
 def run_model(spec: _Spec, m, input_ids: Tensor, positions: Tensor, attend, layer_states: list | None) -> Tensor:
@@ -339,3 +395,21 @@ def run_model(spec: _Spec, m, input_ids: Tensor, positions: Tensor, attend, laye
             if layer_states is not None:
                 layer_states.append(residual)
     return hidden
+
+
+def run_model_whole(spec: _Spec, m, input_ids: Tensor, positions: Tensor, past: list, bsz: int,
+                    layer_states: list | None) -> tuple[Tensor, list]:
+    """One forward of ``m`` (an ``EngineModel`` of ``vllm-cpu-compiled``) as one compiled graph. ``past``: per layer
+    [K, V] of the cache, (B, H_kv, T_past, D), empty along T on a prefill. Returns (final hidden (N, hidden), new
+    K/V per layer)."""
+    fn = compiled_piece(spec, "whole")
+    layer_w = [(L.ln1, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.q_norm, L.k_norm, L.wo, L.ln2, L.w_gate, L.w_up,
+                L.w_down) for L in m.layers]
+    for t in past:
+        if t.shape[2] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+    hidden, new_kv, states = _call(fn, input_ids, positions, m.embed, m.cos_sin_cache, m.final_norm, layer_w, past,
+                                   bsz, m.attention_handle)
+    if layer_states is not None:
+        layer_states.extend(t.to(m.dtype) for t in states)
+    return hidden, new_kv

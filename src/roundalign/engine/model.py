@@ -39,7 +39,7 @@ from ..numerics.patch import decoder_trunk
 from ..numerics.plan import RoundingPlan, engine_plan, plan_for
 from . import compiled
 
-from .choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402  (re-exported)
+from .choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402  (re-exported)
 SOFTMAX_MIN_COLS = 64
 ATTN_MIN_ROWS = 16
 
@@ -117,25 +117,29 @@ class EngineModel:
     Args:
         model: the HF ``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` whose weights (and dtype) to copy.
         engine: rounding to emulate, ``vllm-compiled`` or ``vllm-eager``.
-        attn: ``eager`` or ``sdpa``.
+        attn: ``eager``, ``sdpa`` or ``vllm_cpu`` (vLLM's CPU attention kernel; needs vLLM's CPU build).
         gemm: ``same`` or ``splitk``.
         splitk_chunk: K-chunk size for ``splitk``, in elements.
-        norm_reduction: compiled engine: ``opaque`` (the trainer's eager mean of squares) or ``inductor``.
+        norm_reduction: compiled engines: ``opaque`` (the trainer's eager mean of squares) or ``inductor``; None:
+            ``inductor`` for ``vllm-cpu-compiled`` (the trainer's default compiled regions reduce as Inductor does),
+            ``opaque`` otherwise.
         attn_decode: attention kernel of decode steps; None = ``attn``.
         lm_head_fp32: logits as an fp32 GEMM (fp32 hidden state, fp32 head weight), returned in fp32.
         kv_cache_dtype: the KV cache's storage, vLLM's names (``KV_CACHE_DTYPES``); ``new_cache()`` makes one.
     """
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
-                 splitk_chunk: int = 64, norm_reduction: str = "opaque", regions: str = "full",
+                 splitk_chunk: int = 64, norm_reduction: str | None = None, regions: str = "full",
                  attn_decode: str | None = None, lm_head_fp32: bool = False, kv_cache_dtype: str = "auto"):
         self.kv_cache_dtype = check_choice("KV-cache dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self.plan: RoundingPlan = engine_plan(engine) if regions == "full" else plan_for(engine, regions)
         self.engine = engine
         self.regions = regions
+        if norm_reduction is None:  # the one-graph CPU engine against the trainer's default compiled regions
+            norm_reduction = "inductor" if engine == "vllm-cpu-compiled" else "opaque"
         self.norm_reduction = check_choice("norm reduction", norm_reduction, compiled.NORM_REDUCTIONS)
-        self.attn = check_choice("attention implementation", attn, ATTN_IMPLS)
-        self.attn_decode = check_choice("decode attention implementation", attn_decode or attn, ATTN_IMPLS)
+        self.attn = check_choice("attention implementation", attn, ENGINE_ATTN_IMPLS)
+        self.attn_decode = check_choice("decode attention implementation", attn_decode or attn, ENGINE_ATTN_IMPLS)
         self.lm_head_fp32 = bool(lm_head_fp32)
         self.gemm = check_choice("engine GEMM", gemm, ENGINE_GEMMS)
         if splitk_chunk < 1:
@@ -153,7 +157,8 @@ class EngineModel:
         self.layers: list[_Layer] = []
         self.sync_weights(model)
         self.spec = None
-        if engine == "vllm-compiled":
+        self.attention_handle = None
+        if engine in ("vllm-compiled", "vllm-cpu-compiled"):
             # vLLM's own bf16 cos/sin table (RotaryEmbedding._compute_cos_sin_cache(), then .to(dtype))
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
             rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -163,7 +168,10 @@ class EngineModel:
                                                                 self.dtype)
             self.spec = compiled.make_spec(regions=regions, gemm=gemm, splitk_chunk=splitk_chunk,
                                            norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
-                                           qk_norm=self.layers[0].q_norm is not None)
+                                           qk_norm=self.layers[0].q_norm is not None,
+                                           whole=engine == "vllm-cpu-compiled")
+            if engine == "vllm-cpu-compiled":
+                self.attention_handle = compiled.register_attention_owner(self)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of this engine's layer count and storage dtype."""
@@ -205,6 +213,11 @@ class EngineModel:
     # rounds silu before the multiply. Single-region plans of the eager engine take HF's style elsewhere.
 
     def _norm(self, x: Tensor, w: Tensor, residual: Tensor | None):
+        if self.plan.residual == "fp32-read":
+            # ``vllm-cpu-eager``: vLLM's native RMSNorm formulas, run uncompiled (vllm/ir/ops/layernorm.py)
+            if residual is None:
+                return vllm_native.vllm_rms_norm(x, w, self.eps), x
+            return vllm_native.vllm_fused_add_rms_norm(x, residual, w, self.eps)
         fused = self.plan.norm == "fused"
         if residual is None:
             return (regions.rmsnorm_fused if fused else regions.rmsnorm_hf)(x, w, self.eps), x
@@ -217,7 +230,8 @@ class EngineModel:
         """(B, T, H, D) projection output -> (B, H, T, D) after [q/k norm and] RoPE."""
         if norm_w is not None:
             x = (regions.rmsnorm_fused if self.plan.norm == "fused" else regions.rmsnorm_hf)(x, norm_w, self.eps)
-        return (regions.rope_fused if self.plan.rope == "fused" else regions.rope_hf)(x.transpose(1, 2), cos, sin)
+        rope = {"fused": regions.rope_fused, "fused-rz": regions.rope_fused_rz, "hf": regions.rope_hf}[self.plan.rope]
+        return rope(x.transpose(1, 2), cos, sin)
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
         """q: (B, H, Tq, D); k, v: (B, H_kv, Tk, D) -> (B, Tq, H*D)."""
@@ -227,6 +241,14 @@ class EngineModel:
             v = v.repeat_interleave(rep, dim=1)
         # a decode step is one new token per sequence against a non-empty cache; prefill keeps ``attn``
         impl = self.attn_decode if q.shape[2] == 1 and k.shape[2] > 1 else self.attn
+        if impl == "vllm_cpu":
+            # vLLM's own CPU kernel, one request per sequence (roundalign.vllm_cpu), on the un-repeated K/V heads
+            from .. import vllm_cpu
+
+            k, v = k[:, ::rep], v[:, ::rep]
+            out = torch.stack([vllm_cpu.attend_one(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),
+                                                   self.scaling) for b in range(q.shape[0])])
+            return out.reshape(q.shape[0], q.shape[2], -1)
         if impl == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=self.scaling)
         else:
@@ -296,6 +318,17 @@ class EngineModel:
             return self._linear(x.float(), self.lm_head.float())
         return self._linear(x, self.lm_head)
 
+    def attend_with_past(self, q: Tensor, k: Tensor, v: Tensor, k_past: Tensor, v_past: Tensor, bsz: int):
+        """The one-graph engine's attention op (``compiled.run_model_whole``): q/k/v (N, heads*D) of the new tokens,
+        the cache's K/V (B, H_kv, T_past, D) -> (out (N, H*D), K and V with the new tokens appended)."""
+        seq = q.shape[0] // bsz
+        split = (bsz, seq, -1, self.head_dim)
+        q, k, v = (t.view(split).transpose(1, 2) for t in (q, k, v))
+        k = fp8_kv_roundtrip(k, self.kv_cache_dtype)
+        v = fp8_kv_roundtrip(v, self.kv_cache_dtype)
+        k_all, v_all = torch.cat((k_past, k), dim=2), torch.cat((v_past, v), dim=2)
+        return self._attention(q, k_all, v_all, causal=True).reshape(bsz * seq, -1), k_all, v_all
+
     def _forward_compiled(self, input_ids: Tensor, positions: Tensor, cache: KVCache, layer_states: list | None):
         """``vllm-compiled``: Inductor-compiled pieces between attention calls (``engine.compiled``); the LM head
         runs eagerly after the model, as vLLM's ``compute_logits`` does."""
@@ -308,6 +341,17 @@ class EngineModel:
             return self._attention(q, k, v, causal=True).reshape(bsz * seq, -1)
 
         states = [] if layer_states is not None else None
+        if self.spec.whole:
+            empty = torch.empty((bsz, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype)
+            past = [t for i in range(len(self.layers))
+                    for t in ((cache.k[i], cache.v[i]) if cache.k[i] is not None else (empty, empty))]
+            hidden, new_kv = compiled.run_model_whole(self.spec, self, input_ids.reshape(-1), positions.reshape(-1),
+                                                      past, bsz, states)
+            for i in range(len(self.layers)):
+                cache.k[i], cache.v[i] = new_kv[2 * i], new_kv[2 * i + 1]
+            if layer_states is not None:
+                layer_states.extend(s.view(bsz, seq, -1) for s in states)
+            return self._logits(hidden.view(bsz, seq, -1))
         hidden = compiled.run_model(self.spec, self, input_ids.reshape(-1), positions.reshape(-1), attend, states)
         if layer_states is not None:
             layer_states.extend(s.view(bsz, seq, -1) for s in states)

