@@ -2,7 +2,6 @@
 values its VllmConfig.__post_init__ resolves (no vLLM needed), and against the real classes where installed."""
 
 import enum
-import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -117,26 +116,35 @@ def test_custom_op_rule_mirrors_vllm():
         G.custom_op_enabled(["+rms_norm"], "rms_norm")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (GPU extra)")
-def test_real_vllm_classes_have_the_fields_the_guard_reads():
-    from vllm.config import CompilationConfig, KernelConfig, ParallelConfig, VllmConfig
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode, PassConfig
-    from vllm.config.kernel import IrOpPriorityConfig
-    from vllm.config.model import ModelConfig
-    import inspect
+def _cpu(llm, *, compiled=True, ci_env=False):
+    """The stand-in as vLLM's CPU platform resolves it (vllm/platforms/cpu.py:336-363): VLLM_COMPILE becomes
+    DYNAMO_TRACE_ONCE with the inductor backend ('eager' under VLLM_CPU_CI_ENV), no splitting ops, IR priority
+    native in both modes."""
+    cfg = llm.llm.llm_engine.vllm_config
+    cfg.device_config = SimpleNamespace(device_type="cpu")
+    cc = cfg.compilation_config
+    cc.splitting_ops = []
+    if compiled:
+        cc.mode, cc.backend = CompilationMode.DYNAMO_TRACE_ONCE, "eager" if ci_env else "inductor"
+    cfg.kernel_config.ir_op_priority.rms_norm = ["native"]
+    cfg.kernel_config.ir_op_priority.fused_add_rms_norm = ["native"]
+    return llm
 
-    from vllm.entrypoints.llm import LLM
 
-    def fields(cls):
-        return set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "model_fields", {}))
+def test_cpu_platform_modes_map_to_the_cpu_targets_and_refuse_the_gpu_maps():
+    comp, eager = settings(_cpu(fake_llm())), settings(_cpu(fake_llm(eager=True), compiled=False))
+    assert G.map_problems(comp, "vllm-cpu-compiled") == [] and G.map_problems(eager, "vllm-cpu-eager") == []
+    (msg,) = G.map_problems(comp, "vllm-compiled")
+    assert "'cpu' platform" in msg and "use engine 'vllm-cpu-compiled'" in msg
+    assert "rounds like eager" not in msg  # the old, wrong words for the CPU compiled mode
+    assert "one Inductor graph" in G.map_problems(comp, "vllm-cpu-eager")[0]
+    assert "enforce_eager=True" in G.map_problems(eager, "vllm-cpu-compiled")[0]
+    ci = settings(_cpu(fake_llm(), ci_env=True))
+    assert any("compile backend 'eager'" in p for p in G.map_problems(ci, "vllm-cpu-compiled"))
 
-    assert {"compilation_config", "kernel_config", "parallel_config", "model_config"} <= fields(VllmConfig)
-    assert {"mode", "backend", "cudagraph_mode", "custom_ops", "use_inductor_graph_partition",
-            "pass_config"} <= fields(CompilationConfig)
-    assert set(G.PASS_FIELDS) <= fields(PassConfig)
-    assert {"rms_norm", "fused_add_rms_norm"} <= fields(IrOpPriorityConfig)
-    assert "ir_op_priority" in fields(KernelConfig) and "tensor_parallel_size" in fields(ParallelConfig)
-    assert "enforce_eager" in fields(ModelConfig)
-    assert CompilationMode.VLLM_COMPILE == G.VLLM_COMPILE and CompilationMode.NONE == G.COMPILE_NONE
-    assert CUDAGraphMode.NONE.name == "NONE"
-    assert "self.llm_engine" in inspect.getsource(LLM.__init__)
+
+def test_a_cpu_map_on_a_gpu_engine_is_refused():
+    llm = fake_llm()
+    llm.llm.llm_engine.vllm_config.device_config = SimpleNamespace(device_type="cuda")
+    (msg,) = G.map_problems(settings(llm), "vllm-cpu-compiled")
+    assert "'cuda' platform" in msg and "use engine 'vllm-compiled'" in msg

@@ -39,6 +39,7 @@ def _csv_list(text: str) -> tuple[str, ...]:
 
 def make_parser() -> argparse.ArgumentParser:
     from .engine import ATTN_IMPLS, ENGINE_GEMMS
+    from .engine.choices import ENGINE_ATTN_IMPLS
     from .numerics import ENGINES, VARIANTS
     from .tiny import ARCHS
 
@@ -64,7 +65,12 @@ def make_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("probe", help="offline train-vs-engine mismatch probe at identical weights")
     pr.add_argument("--model", required=True, help="model directory (or a cached hub id)")
     pr.add_argument("--engine", default="vllm-compiled", help=f"engine rounding: {', '.join(ENGINES)}")
-    pr.add_argument("--attn", default="eager", help=f"attention on both sides: {', '.join(ATTN_IMPLS)}")
+    pr.add_argument("--attn", default="eager",
+                    help=f"attention of the emulated engine and the trainer: {', '.join(ENGINE_ATTN_IMPLS)} (vllm_cpu: "
+                         "vLLM's CPU kernel, needs its CPU build) (default eager)")
+    pr.add_argument("--trainer-attn", default=None,
+                    help="backend vllm: the trainer's attention when it rescores the real engine's tokens (default: "
+                         "--attn); vllm_cpu makes the attention kernel equal, leaving only where rounding happens")
     pr.add_argument("--engine-gemm", default="same", help=f"engine GEMMs: {', '.join(ENGINE_GEMMS)}")
     pr.add_argument("--splitk-chunk", type=int, default=64, help="K-chunk of the splitk GEMM (partials stored in bf16), elements (default 64)")
     pr.add_argument("--norm-reduction", default="opaque",
@@ -87,7 +93,8 @@ def make_parser() -> argparse.ArgumentParser:
                     help="emulated: the emulated engine samples, all on CPU (tiny models); vllm: real vLLM samples "
                          "in --engine mode and the trainer rescores on --device (paper scale; also writes "
                          "<stem>_emulated.csv, the emulated engine on the same device) (default emulated)")
-    pr.add_argument("--device", default="cuda", help="torch device of the vllm backend's trainer (default cuda)")
+    pr.add_argument("--device", default="cuda",
+                    help="torch device of the vllm backend's trainer (default cuda; vllm-cpu-* engines: cpu)")
     pr.add_argument("--gpu-memory-utilization", type=float, default=0.45,
                     help="fraction of GPU memory vLLM may take while it samples (vllm backend; default 0.45)")
 
@@ -194,10 +201,17 @@ def run_probe_cli(args) -> None:
                       variants=args.variants, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       seed=args.seed, temperature=args.temperature, context_tokens=args.context_tokens,
                       splitk_chunk=args.splitk_chunk, norm_reduction=args.norm_reduction,
-                      kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
+                      kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, trainer_attn=args.trainer_attn)
     _setup_runtime()
     if args.backend == "vllm":
+        from .numerics.plan import CPU_ENGINES
         from .probe_gpu import run_probe_gpu
+
+        if cfg.engine in CPU_ENGINES:
+            # vLLM's CPU build in this process: its model (hooks, GEMM dispatch) is then readable; a 1 GiB KV
+            # cache is plenty for probe-sized requests and changes no numerics
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
         run_probe_gpu(cfg, args.out, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
     else:

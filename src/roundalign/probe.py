@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from . import metrics as M
-from .engine import ATTN_IMPLS, ENGINE_GEMMS, Engine
+from .engine import ENGINE_GEMMS, Engine
 from .engine.model import check_choice
-from .engine.choices import KV_CACHE_DTYPES, NORM_REDUCTIONS
+from .engine.choices import ENGINE_ATTN_IMPLS, KV_CACHE_DTYPES, NORM_REDUCTIONS
 from .envinfo import environment_info
 from .io import atomic_write_csv, atomic_write_json, check_writable
 from .numerics import apply_alignment
@@ -40,8 +40,12 @@ class ProbeConfig:
 
     Attributes:
         model: local model directory (or a hub id available in the local cache).
-        engine: engine rounding to emulate: "vllm-compiled" or "vllm-eager".
-        attn: attention implementation on both sides: "eager" or "sdpa".
+        engine: engine rounding: "vllm-compiled", "vllm-eager" (GPU maps), "vllm-cpu-compiled",
+            "vllm-cpu-eager" (vLLM's CPU build).
+        attn: attention implementation of the emulated engine and the trainer: "eager", "sdpa" or "vllm_cpu"
+            (vLLM's CPU kernel, roundalign.vllm_cpu).
+        trainer_attn: the trainer's attention when it rescores the real engine's samples (backend vllm); None:
+            ``attn``.
         engine_gemm: "same" (the trainer's GEMMs) or "splitk" (split-K, partials stored in bf16).
         variants: trainer alignment variants to compare.
         num_prompts: number of prompts (one completion each).
@@ -71,10 +75,13 @@ class ProbeConfig:
     norm_reduction: str = "opaque"
     kv_cache_dtype: str = "auto"
     dtype: str = "bf16"
+    trainer_attn: str | None = None
 
     def __post_init__(self):
         check_engine(self.engine)
-        check_choice("attention implementation", self.attn, ATTN_IMPLS)
+        check_choice("attention implementation", self.attn, ENGINE_ATTN_IMPLS)
+        if self.trainer_attn is not None:
+            check_choice("trainer attention implementation", self.trainer_attn, ENGINE_ATTN_IMPLS)
         check_choice("engine GEMM", self.engine_gemm, ENGINE_GEMMS)
         check_choice("engine norm reduction", self.norm_reduction, NORM_REDUCTIONS)
         check_choice("KV-cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -213,7 +220,12 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     meta_json = out_csv.with_suffix(".json")
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
+    if cfg.attn == "vllm_cpu":
+        from .probe_gpu import load_probe_model
+
+        model = load_probe_model(cfg.model, cfg.dtype, cfg.attn)
+    else:
+        model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
     label = model_label(cfg.model)
     engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
                     norm_reduction=cfg.norm_reduction, kv_cache_dtype=cfg.kv_cache_dtype)

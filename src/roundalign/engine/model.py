@@ -39,7 +39,7 @@ from ..numerics.patch import decoder_trunk
 from ..numerics.plan import RoundingPlan, engine_plan, plan_for
 from . import compiled
 
-from .choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402  (re-exported)
+from .choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402, F401  (re-exported)
 SOFTMAX_MIN_COLS = 64
 ATTN_MIN_ROWS = 16
 

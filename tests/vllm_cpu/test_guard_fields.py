@@ -1,0 +1,31 @@
+"""The vLLM 0.31.0 classes still have every field the guard reads (run where vLLM is installed: its CPU build)."""
+
+from roundalign import vllm_guard as G
+
+
+def test_real_vllm_classes_have_the_fields_the_guard_reads():
+    from vllm.config import CompilationConfig, KernelConfig, ParallelConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode, PassConfig
+    from vllm.config.kernel import IrOpPriorityConfig
+    from vllm.config.model import ModelConfig
+    import inspect
+
+    from vllm.entrypoints.llm import LLM
+
+    def fields(cls):
+        return set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "model_fields", {}))
+
+    assert {"compilation_config", "kernel_config", "parallel_config", "model_config"} <= fields(VllmConfig)
+    assert {"mode", "backend", "cudagraph_mode", "custom_ops", "use_inductor_graph_partition",
+            "pass_config"} <= fields(CompilationConfig)
+    assert set(G.PASS_FIELDS) <= fields(PassConfig)
+    assert {"rms_norm", "fused_add_rms_norm"} <= fields(IrOpPriorityConfig)
+    assert "ir_op_priority" in fields(KernelConfig) and "tensor_parallel_size" in fields(ParallelConfig)
+    assert "enforce_eager" in fields(ModelConfig)
+    assert CompilationMode.VLLM_COMPILE == G.VLLM_COMPILE and CompilationMode.NONE == G.COMPILE_NONE
+    assert CompilationMode.DYNAMO_TRACE_ONCE == G.DYNAMO_TRACE_ONCE
+    from vllm.config.device import DeviceConfig
+
+    assert "device_type" in fields(DeviceConfig) and "splitting_ops" in fields(CompilationConfig)
+    assert CUDAGraphMode.NONE.name == "NONE"
+    assert "self.llm_engine" in inspect.getsource(LLM.__init__)
