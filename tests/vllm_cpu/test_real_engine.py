@@ -102,6 +102,56 @@ def mismatch(train, eng):
     return int((d == 0).sum()), d.numel(), k3, d.abs().mean().item()
 
 
+# A model and sequence on which the trainer's `full` is NOT bitwise against the compiled engine: 73 of 76 tokens
+# differ from position 3 on (and 198 of 255 of a 256-token sequence); eager mode is bitwise on it.
+HARD = ("qwen2", False, 4, 128, 10)
+
+
+def _hard_sequence():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (16, 33, 57, 77)][-1]
+
+
+def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, tmp_path):
+    """Isolation of what is left against the compiled engine. The emulated one-graph engine (engine/compiled.py:
+    vLLM's formulas as one Inductor graph, vLLM's CPU attention ops) with Inductor's own RMSNorm reduction equals
+    the real engine on every token; the same emulation with the trainer's reduction equals the trainer on every
+    token. So the difference is the order in which Inductor sums x^2 in each fused norm kernel of the whole graph
+    (its code uses 16- or 8-lane accumulators depending on the kernel: roundalign.inductor_code), not where
+    rounding happens."""
+    from vllm import LLM, SamplingParams
+
+    from roundalign.engine import EngineModel
+
+    arch, tie, layers, hidden, seed = HARD
+    model = random_qwen(arch, tie=tie, layers=layers, hidden=hidden, heads=4, kv_heads=2, vocab=VOCAB, seed=seed)
+    model.save_pretrained(tmp_path / "m")
+    s = _hard_sequence()
+    llm = LLM(model=str(tmp_path / "m"), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=512,
+              max_num_seqs=4)
+    out = llm.generate([{"prompt_token_ids": s}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    real = torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))])
+    del llm
+    gc.collect()
+
+    def logp(logits):
+        return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1)
+
+    model.set_attn_implementation("vllm_cpu")
+    apply_alignment(model, "full", "vllm-cpu-compiled")
+    with torch.no_grad():
+        trainer = logp(model(input_ids=torch.tensor([s])).logits[0, :-1])
+    emulated = {}
+    for red in ("inductor", "opaque"):
+        em = EngineModel(model, engine="vllm-cpu-compiled", attn="vllm_cpu", norm_reduction=red)
+        emulated[red] = logp(em.forward(torch.tensor([s]), em.new_cache())[0, :-1])
+    assert torch.equal(emulated["inductor"], real)
+    assert torch.equal(emulated["opaque"], trainer)
+    differ = int((trainer != real).sum())
+    print(f"\ntrainer full vs real compiled engine on the hard sequence: {differ}/{len(s) - 1} tokens differ")
+    assert differ > 0  # if this starts to pass bitwise, the trainer reproduces Inductor's reduction: update the docs
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_full_is_bitwise_equal_to_the_real_engine_with_its_attention_kernel(engines, name, mode):
