@@ -288,3 +288,20 @@ def test_region_nodes_have_the_formulas_gradients_and_second_order():
     want = torch.autograd.grad(R.rope_fused(x, cos, sin), x, g.to(dtype))[0]
     got = torch.autograd.grad(K.rope_fused(x, cos, sin), x, g.to(dtype))[0]
     assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("engine", ["vllm-compiled", "vllm-cpu-eager"])
+def test_attention_switch_after_alignment_takes_effect_as_on_stock(arch, engine):
+    # transformers' own tests deep-copy a model and switch its attention; HF modules read config._attn_implementation
+    # from their own config, so the alignment's config copy must reach every module (it once reached only the
+    # trunk, and the switch silently did nothing). fp32: aligned == stock under every implementation.
+    stock = random_qwen(arch, dtype=torch.float32)
+    aligned = apply_alignment(copy.deepcopy(stock), "full", engine)
+    for impl in ("sdpa", "eager", "sdpa"):
+        stock.set_attn_implementation(impl)
+        aligned.set_attn_implementation(impl)
+        assert aligned.model.layers[0].self_attn.config._attn_implementation == impl
+        assert torch.equal(logits(aligned), logits(stock)), impl
+    switched = copy.deepcopy(aligned)
+    switched.set_attn_implementation("eager")
+    assert aligned.config._attn_implementation == "sdpa"  # the copy switched, the original did not
