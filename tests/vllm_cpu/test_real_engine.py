@@ -84,9 +84,9 @@ def engines():
     return _Engines()
 
 
-def trainer_logps(model, variant, engine, attn):
+def trainer_logps(model, variant, engine, attn, kernels=None):
     model.set_attn_implementation(attn)
-    apply_alignment(model, variant, engine)
+    apply_alignment(model, variant, engine, kernels=kernels)
     out = []
     with torch.no_grad():
         for s in _sequences():
@@ -173,14 +173,7 @@ def test_compiled_engine_with_eager_region_kernels_is_nearly_bitwise(engines):
     # 1 of 449 tokens one fp32 ulp apart on this model (the default for this target is compiled kernels).
     name = "qwen2-untied-L4-d32"
     eng = engines.get(name, "compiled")["logps"]
-    model = _model(name)
-    model.set_attn_implementation("vllm_cpu")
-    apply_alignment(model, "full", "vllm-cpu-compiled", kernels="eager")
-    out = []
-    with torch.no_grad():
-        for s in _sequences():
-            lg = model(input_ids=torch.tensor([s])).logits[0, :-1].float()
-            out.append(torch.log_softmax(lg, -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1))
+    out = trainer_logps(_model(name), "full", "vllm-cpu-compiled", "vllm_cpu", kernels="eager")
     exact, n, k3, _ = mismatch(out, eng)
     assert exact >= 0.98 * n and k3 < 1e-8, (exact, n, k3)
 
