@@ -276,6 +276,9 @@ def test_compiled_map_is_the_real_engines_inductor_output_code(engines):
         engines.get(name, "compiled")
     paths = find_output_code(os.environ["VLLM_CACHE_ROOT"])
     summaries = [engine_store_dtypes(os.environ["VLLM_CACHE_ROOT"], path=p) for p in paths]
+    # vLLM points Inductor's cache at its own root for the whole process, so our emulated one-graph engine's code
+    # lands there too: the engine's graphs are those with vLLM's KV-cache write op
+    summaries = [s for s in summaries if s["op_counts"].get("kv_cache_update")]
     attention_calls = sorted(s["op_counts"].get("attention", 0) for s in summaries)
     assert sorted({MODELS[n][2] for n in MODELS}) == sorted(set(attention_calls)), attention_calls  # one graph each
     for s in summaries:
