@@ -54,7 +54,9 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
 
     from .models import resolve_model_path
 
-    if cfg.backend == "vllm" and cfg.engine.startswith("vllm-cpu-"):
+    from .numerics.plan import CPU_ENGINES
+
+    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
         # TRL's colocated weight sync calls load_weights, which vLLM-CPU's prepacked linear layers cannot take
         # (docs: shared design note on vLLM-CPU); training against the real CPU engine needs that sync first
         raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} (vLLM's CPU build) does not train yet: TRL's "

@@ -136,7 +136,7 @@ def engine_settings(llm, vllm_version: str | None = None) -> dict:
 def map_problems(settings: dict, engine: str) -> list[str]:
     """Every way ``settings`` (from ``engine_settings``) departs from the map of ``engine``; [] when it rounds
     as the alignment targets."""
-    from .numerics.plan import check_engine
+    from .numerics.plan import CPU_ENGINES, check_engine
 
     check_engine(engine)
     s = settings
@@ -146,7 +146,7 @@ def map_problems(settings: dict, engine: str) -> list[str]:
                    "(pip install vllm==" + TARGET_VLLM_VERSION + ")")
     prio_norm = (s["ir_op_priority_rms_norm"] or ["?"])[0], (s["ir_op_priority_fused_add_rms_norm"] or ["?"])[0]
     device = s.get("device_type")
-    cpu_target = engine.startswith("vllm-cpu-")
+    cpu_target = engine in CPU_ENGINES
     if device is not None and (device == "cpu") != cpu_target:
         mode = engine.split("-")[-1]
         other = f"vllm-cpu-{mode}" if device == "cpu" else f"vllm-{mode}"
