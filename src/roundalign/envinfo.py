@@ -10,13 +10,22 @@ from pathlib import Path
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "vllm")
 
 
+# What the pipeline writes: committed, so a sweep re-run overwrites tracked files there, which says nothing about the
+# code that computed them (a results regeneration must not record its own outputs as "+dirty" code).
+OUTPUT_DIRS = ("results", "figures")
+
+
 def git_sha(repo: str | Path | None = None) -> str:
-    """Commit of the checkout the package runs from (``unknown`` outside git), ``+dirty`` if modified."""
+    """Commit of the checkout the package runs from (``unknown`` outside git), ``+dirty`` if a tracked file outside
+    the pipeline's output folders (``OUTPUT_DIRS``) is modified."""
     cwd = Path(repo) if repo else Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                *(f":(exclude){d}" for d in OUTPUT_DIRS)], cwd=top,
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
