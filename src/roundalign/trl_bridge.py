@@ -112,14 +112,19 @@ class RoundalignGRPOTrainer(GRPOTrainer):
     mismatch_is: tuple | None = None
 
     def _generate_and_score_completions(self, inputs):
-        if self.args.use_vllm and self.args.vllm_mode == "colocate" and torch.cuda.is_available():
+        if self.args.use_vllm and self.args.vllm_mode == "colocate":
             # Colocated vLLM runs in this process and samples requests without a seed from the device's
             # default generator; TRL has one SamplingParams per call (a fixed seed there would give every
             # repeat of a prompt the same completion). Reseeding that generator from (seed, step, rank)
             # makes each step's samples a function of the step, so a resumed run samples what an
             # uninterrupted one did (the generator's state itself is not part of a checkpoint's meaning).
             step_seed = (self.args.seed * 1_000_003 + self.state.global_step) * 4099 + self.accelerator.process_index
-            torch.cuda.manual_seed(step_seed % (2**63 - 1))
+            if torch.cuda.is_available():
+                torch.cuda.manual_seed(step_seed % (2**63 - 1))
+            else:
+                # vLLM-CPU samples with the default CPU generator (vllm 0.31.0 topk_topp_sampler.py,
+                # forward_cpu -> compiled_random_sample: Inductor draws its random seeds from it)
+                torch.manual_seed(step_seed % (2**63 - 1))
         output = super()._generate_and_score_completions(inputs)
         if self.log_mismatch and "sampling_per_token_logps" in output:
             self._log_mismatch(output)
