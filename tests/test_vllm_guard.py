@@ -48,7 +48,7 @@ def fake_llm(*, eager=False, tp=1, hopper_flashinfer=False, graph_partition=Fals
                                                                      fused_add_rms_norm=list(prio),
                                                                      gelu_and_mul_sparse=["triton", "native"])),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-        model_config=SimpleNamespace(enforce_eager=eager))
+        model_config=SimpleNamespace(enforce_eager=eager, dtype="torch.bfloat16"))
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg))
     return SimpleNamespace(llm=llm)  # as TRL's VLLMGeneration holds it
 

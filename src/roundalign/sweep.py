@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import TRAIN_VARIANTS, ConfigError, build_config
+from .numerics.plan import CPU_ENGINES
 
 
 @functools.cache
@@ -91,12 +92,18 @@ class Sweep:
             raise ConfigError(f"{where}: vllm_mode 'server' is not supported by the sweep: no job starts a vLLM "
                               "server (and the rounding-map guard cannot inspect one); use vllm_mode: colocate, or "
                               "run `roundalign train --set vllm_mode=server` by hand against a server you started")
-        if overrides.get("backend", "emulated") == "vllm" and spec["gpus"] < 1:
-            raise ConfigError(f"{where}.gpus={spec['gpus']}: backend 'vllm' needs at least one GPU")
+        cpu_engine = overrides.get("engine", _train_defaults()["engine"]) in CPU_ENGINES
+        if overrides.get("backend", "emulated") == "vllm" and spec["gpus"] < 1 and not cpu_engine:
+            raise ConfigError(f"{where}.gpus={spec['gpus']}: backend 'vllm' with engine "
+                              f"{overrides.get('engine', _train_defaults()['engine'])!r} needs at least one GPU "
+                              f"(on CPU: engine {' or '.join(CPU_ENGINES)}, vLLM's CPU build)")
+        if cpu_engine and spec["gpus"] > 0:
+            raise ConfigError(f"{where}.gpus={spec['gpus']}: engine {overrides['engine']!r} is vLLM's CPU build; "
+                              "use gpus: 0")
         if spec["gpus"] > 1 and not spec.get("accelerate_config"):
             raise ConfigError(f"{where}.accelerate_config: {spec['gpus']} GPUs need an accelerate launch config, "
                               "e.g. configs/accelerate/zero3.yaml")
-        if self.config.get("probe", {}).get("backend") == "vllm" and spec["gpus"] < 1:
+        if self.config.get("probe", {}).get("backend") == "vllm" and spec["gpus"] < 1 and not self._probe_on_cpu():
             raise ConfigError(f"{where}.gpus={spec['gpus']}: probe.backend 'vllm' runs each probe on one GPU; give "
                               "the model gpus >= 1 or use probe.backend emulated")
         for variant in self.variants:
@@ -188,22 +195,34 @@ class Sweep:
             parts.append(f"--set {shlex.quote(f'{key}={value}')}")
         return " ".join(parts)
 
+    @property
+    def python(self) -> str:
+        """The interpreter of train and probe jobs (``python:``), shell-quoted."""
+        return shlex.quote(self.config.get("python", "python"))
+
     def launcher(self, model: str) -> str:
-        """What runs ``-m roundalign``: ``python``, or ``accelerate launch`` for several GPUs (both from PATH:
-        the active environment, as every shell rule)."""
+        """What runs ``-m roundalign``: the sweep's ``python`` (default ``python`` from PATH: the active environment,
+        as every shell rule), or ``accelerate launch`` for several GPUs (from that environment)."""
         spec = self.models[model]
+        python = self.config.get("python", "python")
         if spec["gpus"] > 1:
-            return (f"accelerate launch --config_file {shlex.quote(spec['accelerate_config'])} "
+            accelerate = "accelerate" if python == "python" else f"{shlex.quote(python)} -m accelerate.commands.launch"
+            return (f"{accelerate} --config_file {shlex.quote(spec['accelerate_config'])} "
                     f"--num_processes {spec['gpus']}")
-        return "python"
+        return shlex.quote(python)
 
     # -- resources --------------------------------------------------------------------------------
 
+    def _probe_on_cpu(self) -> bool:
+        """Every probe engine is vLLM's CPU build (probe.backend vllm then runs on CPU)."""
+        return all(e in CPU_ENGINES for e in self.config.get("probe", {}).get("engines", ()))
+
     def probe_resources(self, model: str) -> dict:
-        """One probe job: CPU only (emulated backend), or one GPU of the model's kind (vllm backend)."""
+        """One probe job: CPU only (emulated backend, or vLLM's CPU build), or one GPU of the model's kind (vllm
+        backend, GPU engines)."""
         spec, probe = self.models[model], self.config["probe"]
         runtime = spec.get("probe_runtime_min") or probe["runtime_min"]
-        if probe.get("backend", "emulated") != "vllm":
+        if probe.get("backend", "emulated") != "vllm" or self._probe_on_cpu():
             return {"gpu": 0, "gpu_model": "", "cpus_per_gpu": 0, "mem_mb": probe["mem_mb"], "runtime": runtime}
         return {"gpu": 1, "gpu_model": spec.get("gpu_model") or "", "cpus_per_gpu": spec["cpus_per_gpu"],
                 "mem_mb": spec["mem_mb"], "runtime": runtime}

@@ -115,6 +115,7 @@ def engine_settings(llm, vllm_version: str | None = None) -> dict:
         **cpu_extra,
         "vllm_version": vllm_version,
         "enforce_eager": bool(cfg.model_config.enforce_eager),  # vllm/config/model.py:244
+        "dtype": str(cfg.model_config.dtype).removeprefix("torch."),  # the engine's weights and activations
         "compilation_mode": _name(mode),
         "compilation_mode_value": int(mode) if mode is not None else None,
         "compile_backend": cc.backend,  # vllm/config/compilation.py:475

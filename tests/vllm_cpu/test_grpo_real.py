@@ -8,7 +8,6 @@
 - resume after SIGTERM gives the uninterrupted run's metrics.jsonl.
 """
 
-import gc
 import json
 import os
 import signal
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from roundalign import vllm_cpu
 from roundalign.config import build_config
@@ -41,78 +39,25 @@ def sft_model(tmp_path_factory):
     return str(pretrain_tiny(base, root / "tiny-sft", steps=300, **QUIET))
 
 
-def _teacher_forced(llm, seqs):
-    from vllm import SamplingParams
-
-    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    return torch.cat([torch.tensor([o.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))])
-                      for o, s in zip(outs, seqs)])
-
-
-class _Probe(TrainerCallback):
-    """After each optimizer step: the engine's logprobs before TRL's sync and after it, and the masters saved as bf16."""
-
-    def __init__(self, out: Path, seqs):
-        self.out, self.seqs, self.trainer = out, seqs, None
-        self.before, self.after = [], []
-
-    def on_step_end(self, args, state, control, **kw):
-        from roundalign.trl_bridge import master_state_dict
-
-        gen = self.trainer.vllm_generation
-        self.before.append(_teacher_forced(gen.llm, self.seqs))
-        gen.sync_weights()  # TRL's call (trl/generation/vllm_generation.py), as its next generation would make it
-        self.after.append(_teacher_forced(gen.llm, self.seqs))
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        masters = master_state_dict(self.trainer)
-        path = self.out / f"step{state.global_step}"
-        model.save_pretrained(path, state_dict={k: v.to(torch.bfloat16) for k, v in masters.items()})
-        self.trainer.processing_class.save_pretrained(path)
-
-
-def _fresh_engine(path, eager):
-    from vllm import LLM
-
-    # the arguments TRL's colocated LLM(...) passes that can matter here (trl/generation/vllm_generation.py:347)
-    return LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager, seed=0,
-               max_num_batched_tokens=4096, logprobs_mode="processed_logprobs")
-
-
 @pytest.mark.parametrize("engine", ["vllm-cpu-eager"])
-def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tmp_path, monkeypatch, engine):
-    from roundalign import trl_bridge
-    from roundalign.train import run_train
+def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tmp_path, engine):
+    from roundalign.sync_check import compare_with_fresh_engines, train_with_sync_probe
 
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 23, 40)]
-    probe = _Probe(tmp_path, seqs)
-
-    class Trainer(trl_bridge.RoundalignGRPOTrainer):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            probe.trainer = self
-
-    monkeypatch.setattr(trl_bridge, "RoundalignGRPOTrainer", Trainer)
     # a learning rate that moves every step's weights well past bf16's resolution
     cfg = build_config(overrides={"model": sft_model, **FAST, "backend": "vllm", "engine": engine, "steps": 3,
                                   "learning_rate": 2e-2, "variant": "full"})
-    res = run_train(cfg, tmp_path / "run", callbacks=[probe], **QUIET)
+    res, probe = train_with_sync_probe(cfg, tmp_path, seqs, **QUIET)
     assert (res.status, res.last_step) == ("done", 3)
     run = json.loads((tmp_path / "run/run.json").read_text())
     assert set(run["vllm_engine"]["kernels"]["gemm"]) == {vllm_cpu.LIVE_GEMM}
-    probe.trainer = None
-    del Trainer
-    gc.collect()
-    for step, (before, after) in enumerate(zip(probe.before, probe.after), start=1):
-        assert not torch.equal(before, after), f"step {step}: the optimizer step did not change the engine"
-        if step > 1:
-            assert not torch.equal(after, probe.after[step - 2]), f"step {step}: weights did not move"
-        fresh = _fresh_engine(tmp_path / f"step{step}", eager=engine.endswith("eager"))
-        want = _teacher_forced(fresh, seqs)
-        del fresh
-        gc.collect()
-        assert torch.equal(after, want), (step, (after - want).abs().max())
+    rows = compare_with_fresh_engines(probe, eager=engine.endswith("eager"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["moved"] and r["stale_max_abs_diff"] > 0, r  # unsynced, the engine would differ: the check can fail
+        assert r["bitwise"], r
+    assert not torch.equal(probe.after[0], probe.after[-1])  # the weights kept moving
 
 
 def _cli(model, out, steps, *extra):
@@ -135,7 +80,7 @@ def test_cli_run_then_sigterm_and_resume_equals_the_uninterrupted_run(sft_model,
     run = json.loads((tmp_path / "full/run.json").read_text())
     assert run["status"] == "done" and run["backend"] == "vllm" and run["engine"] == "vllm-cpu-compiled"
     record = run["vllm_engine"]
-    assert record["checked"] and record["device_type"] == "cpu", record
+    assert record["checked"] and record["device_type"] == "cpu" and record["dtype"] == "bfloat16", record
     assert set(record["kernels"]["gemm"]) == {vllm_cpu.LIVE_GEMM}, record["kernels"]
     rows = _metrics(tmp_path / "full")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -160,3 +105,20 @@ def test_cli_run_then_sigterm_and_resume_equals_the_uninterrupted_run(sft_model,
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert json.loads((cut / "run.json").read_text())["resumed_from"]
     assert _metrics(cut) == rows
+
+
+def test_preflight_refuses_what_the_cpu_engine_cannot_run_before_loading(tmp_path, capsys):
+    from roundalign.cli import main
+
+    small = make_tiny("qwen2", tmp_path / "hd16", hidden=64, heads=4, layers=1, seed=0)  # head_dim 16
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(small), "--backend", "vllm", "--engine", "vllm-cpu-eager", "--out",
+                 str(out)]) == 2
+    assert "head_dim=16 is not one of vLLM-CPU's attention head sizes (32, 64" in capsys.readouterr().err
+    assert main(["train", "--model", str(small), "--backend", "vllm", "--engine", "vllm-cpu-eager", "--out",
+                 str(out), "--set", "vllm_mode=server"]) == 2
+    assert "vllm_mode='server' is not supported on CPU" in capsys.readouterr().err
+    assert main(["train", "--model", str(small), "--backend", "vllm", "--engine", "vllm-compiled", "--out",
+                 str(out)]) == 2
+    assert "vllm-cpu-compiled or vllm-cpu-eager" in capsys.readouterr().err  # a GPU mode on a CPU machine
+    assert not out.exists()

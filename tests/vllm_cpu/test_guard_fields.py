@@ -21,7 +21,7 @@ def test_real_vllm_classes_have_the_fields_the_guard_reads():
     assert set(G.PASS_FIELDS) <= fields(PassConfig)
     assert {"rms_norm", "fused_add_rms_norm"} <= fields(IrOpPriorityConfig)
     assert "ir_op_priority" in fields(KernelConfig) and "tensor_parallel_size" in fields(ParallelConfig)
-    assert "enforce_eager" in fields(ModelConfig)
+    assert {"enforce_eager", "dtype"} <= fields(ModelConfig)
     assert CompilationMode.VLLM_COMPILE == G.VLLM_COMPILE and CompilationMode.NONE == G.COMPILE_NONE
     assert CompilationMode.DYNAMO_TRACE_ONCE == G.DYNAMO_TRACE_ONCE
     from vllm.config.device import DeviceConfig

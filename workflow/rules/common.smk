@@ -17,7 +17,7 @@ wildcard_constraints:
     model="|".join(sorted(SWEEP.models)),
     variant="[a-z0-9+-]+",
     seed=r"\d+",
-    engine="vllm-compiled|vllm-eager",
+    engine="vllm-compiled|vllm-eager|vllm-cpu-compiled|vllm-cpu-eager",
     sweep="[A-Za-z0-9._-]+",
 
 

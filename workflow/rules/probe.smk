@@ -23,8 +23,15 @@ rule probe:
         p=SWEEP.config["probe"],
         variants=",".join(SWEEP.config["probe"]["variants"]),
         engine_args=lambda wc: SWEEP.probe_engine_args(wc.model),
+        python=SWEEP.python,
+        trainer_attn=(
+            ""
+            if SWEEP.config["probe"]["trainer_attn"] == "same"
+            else f"--trainer-attn {SWEEP.config['probe']['trainer_attn']}"
+        ),
     shell:
-        "python -m roundalign probe --model {input.model} --engine {wildcards.engine} --attn {params.p[attn]} "
+        "{params.python} -m roundalign probe --model {input.model} --engine {wildcards.engine} --attn {params.p[attn]} "
+        "{params.trainer_attn} "
         "--engine-gemm {params.p[engine_gemm]} --variants {params.variants} --prompts {params.p[prompts]} "
         "--max-new-tokens {params.p[max_new_tokens]} --context-tokens {params.p[context_tokens]} "
         "--backend {params.p[backend]} --gpu-memory-utilization {params.p[gpu_memory_utilization]} "

