@@ -119,11 +119,11 @@ def _read_json(path: Path) -> dict | None:
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """Newest complete checkpoint (one whose trainer_state.json was written)."""
-    if not ckpt_dir.is_dir():
-        return None
-    done = [p for p in ckpt_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+    """Newest complete checkpoint (marker written, files as listed: ``roundalign.checkpoints.verify``); does not
+    move anything (``run_train`` sets incomplete ones aside)."""
+    from .checkpoints import checkpoints, verify
+
+    return next((c for c in reversed(checkpoints(ckpt_dir)) if verify(c) is None), None)
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:
@@ -321,6 +321,16 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
                     "below_steps": self.below_steps, "grad_norms": self.grad_norms,
                     "reward_collapse": files.record.get("reward_collapse"),
                     "grad_norm_collapse": files.record.get("grad_norm_collapse")})
+            from . import distributed as D
+            from .checkpoints import fault_point, mark_complete, rotate
+
+            D.barrier()  # every rank's files (ZeRO-3 shards) are written before the marker
+            fault_point("before_marker", st.global_step)
+            if ckpt.is_dir() and files.is_main:
+                mark_complete(ckpt)
+                fault_point("after_marker", st.global_step)
+                rotate(ckpt.parent, cfg.keep_checkpoints)  # Trainer's rotation is off (build_grpo_args)
+            D.barrier()
             files.write()
 
         def on_train_begin(self, args, st, control, **kw):
@@ -360,7 +370,9 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
         bf16=deepspeed and cfg.dtype == "bf16", fp16=deepspeed and cfg.dtype == "fp16",
         gradient_checkpointing=cfg.gradient_checkpointing,
         logging_steps=1, save_strategy="steps", save_steps=cfg.checkpoint_every,
-        save_total_limit=cfg.keep_checkpoints, report_to=list(cfg.report_to) or "none",
+        # rotation by roundalign.checkpoints.rotate, after the completion marker, counting complete checkpoints
+        # only: Trainer's own would count a checkpoint still being written and could drop the last complete one
+        save_total_limit=None, report_to=list(cfg.report_to) or "none",
         disable_tqdm=True, remove_unused_columns=False, log_completions=False,
         vllm_importance_sampling_correction=cfg.use_is_correction,
         vllm_importance_sampling_mode=cfg.is_mode, vllm_importance_sampling_clip_max=cfg.is_cap,
@@ -447,10 +459,23 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
             return TrainResult(previous["status"], previous.get("last_step", 0), 0, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out_dir / "checkpoints"
-    resume = latest_checkpoint(ckpt_dir)
+    from . import distributed as D
+    from .checkpoints import latest_complete
+
+    # every rank reads the same directory: rank 0 sets incomplete checkpoints aside, the others wait and then look
+    resume, aside = latest_complete(ckpt_dir, log=log) if D.is_main() else (None, [])
+    D.barrier()
+    if not D.is_main():
+        resume = latest_checkpoint(ckpt_dir)
     resume_step = int(resume.name.split("-")[1]) if resume else 0
     kept = truncate_metrics(files.metrics_path, resume_step)
     files.start(previous, resume_step or None)
+    earlier = (previous or {}).get("incomplete_checkpoints", [])
+    if earlier or aside:  # what was set aside, and why, stays on record across resumes
+        files.record["incomplete_checkpoints"] = [*earlier, *aside]
+        files.write()
+    if aside and resume is None:
+        log(f"[train] {out_dir}: no complete checkpoint is left; restarting from step 0")
     log(f"[train] {out_dir}: " + (f"resuming from {resume.name} ({kept} metric lines kept)" if resume
                                    else f"starting {cfg.variant} seed {cfg.seed} on {cfg.backend}/{cfg.engine}"))
     t0 = time.perf_counter()

@@ -19,6 +19,8 @@
    (``roundalign.optim``) on one process and under DDP: Trainer's optimizer is built as usual and wrapped;
    Trainer's gradient clipping calls the wrapper's ``clip_master_grads`` (like its SageMaker path does);
    fp16 scales the loss gradient. Under DeepSpeed and FSDP the masters are theirs (configs/accelerate/).
+6. ``_save_checkpoint`` / ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_save_rng_state``: Trainer's save
+   path, unchanged, with the fault-injection points of ``roundalign.checkpoints`` between its files (tests).
 5. ``vllm_llm_overrides``: TRL's colocated ``vllm.LLM(...)`` call has no ``enforce_eager`` or ``dtype``
    argument; for ``--engine vllm-eager`` and the fp16 variant we wrap the ``LLM`` name TRL's module uses.
 
@@ -198,6 +200,34 @@ class RoundalignGRPOTrainer(GRPOTrainer):
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         opt = self._master_optimizer()
         return scale_loss_grad(loss, opt.loss_scale) if opt is not None and model.training else loss
+
+
+    # -- the save path, with the points where tests kill it (roundalign.checkpoints) ----------------------
+
+    def _save_checkpoint(self, model, trial):
+        from .checkpoints import fault_point
+
+        fault_point("save_begin", self.state.global_step)
+        super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call)
+        if _internal_call:
+            from .checkpoints import fault_point
+
+            fault_point("after_model", self.state.global_step)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        from .checkpoints import fault_point
+
+        super()._save_optimizer_and_scheduler(output_dir)
+        fault_point("after_optimizer", self.state.global_step)
+
+    def _save_rng_state(self, output_dir):
+        from .checkpoints import fault_point
+
+        super()._save_rng_state(output_dir)
+        fault_point("after_rng", self.state.global_step)
 
 
 def master_state_dict(trainer) -> dict[str, torch.Tensor]:
