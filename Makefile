@@ -98,6 +98,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
 	$(BIN)/python scripts/bench_workflow.py --out results/bench/workflow.txt
 	$(BIN)/python scripts/bench_memory.py --out results/bench/memory.txt
+	$(BIN)/python scripts/bench_checkpoint.py --out results/bench/checkpoint.txt
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(WORK) .pytest_cache

@@ -169,3 +169,6 @@ def test_fault_point_names_are_checked_and_fire_once(tmp_path, monkeypatch):
     once.write_text("earlier attempt\n")
     monkeypatch.setenv("ROUNDALIGN_FAULT_INJECT", f"after_model@3@{once}")
     C.fault_point("after_model", 3)  # the once-file exists: the retried job gets past it (this process lives)
+    monkeypatch.setenv("ROUNDALIGN_FAULT_INJECT", f"after_model@3@{tmp_path / 'unfired'}@/baseline/")
+    C.fault_point("after_model", 3, "/runs/smoke/m/full/seed0/checkpoints")  # another run of the sweep: no kill
+    assert not (tmp_path / "unfired").exists()

@@ -5,6 +5,8 @@ One reduced sweep (one tiny model x baseline/rope/full, 24 steps) goes through t
 of the same config gives the reference; meanwhile
   - the `full` training job is preempted (`scontrol requeue`) once it has a checkpoint,
   - the training command of `rope` is killed (SIGKILL, a crash) once it has a checkpoint,
+  - the training command of `baseline` is killed (SIGKILL) in the middle of saving checkpoint-8, after its
+    optimizer file (``ROUNDALIGN_FAULT_INJECT``, roundalign.checkpoints), so its retry finds it incomplete,
   - a second, minimal workflow through the same profile has a job over its 1-minute time limit and a job
     whose command always fails (after writing a checkpoint outside its outputs), with later jobs behind.
 The tests below check the outcome of that one module-scoped run. Without a cluster they skip, naming
@@ -167,14 +169,16 @@ def sweep(tmp_path_factory):
     (mini_wf / "Snakefile").write_text(MINI_SNAKEFILE)
     shutil.copytree(ROOT / "workflow/profiles/slurm", mini_wf / "profile")
 
-    def start(wf, args, name):
+    def start(wf, args, name, extra_env=None):
         out = open(wf / f"{name}.out", "w")
-        return subprocess.Popen([sys.executable, "-m", "snakemake", *args], cwd=wf, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, text=True), wf / f"{name}.out"
+        return subprocess.Popen([sys.executable, "-m", "snakemake", *args], cwd=wf, env={**env, **(extra_env or {})},
+                                stdout=out, stderr=subprocess.STDOUT, text=True), wf / f"{name}.out"
 
     runs = [f"results/{SWEEP}/runs/{MODEL}/{v}/seed0/run.json" for v in VARIANTS]
+    # the jobs inherit the environment (sbatch --export=ALL): the first `baseline` attempt dies inside its save
+    fault = {"ROUNDALIGN_FAULT_INJECT": f"after_optimizer@8@{slurm_wf / 'fault-fired'}@/baseline/"}
     slurm, slurm_out = start(slurm_wf, ["--profile", "workflow/profiles/slurm", "--configfile", "reduced.yaml",
-                                        *FAST], "snakemake")
+                                        *FAST], "snakemake", fault)
     mini, mini_out = start(mini_wf, ["--profile", "profile", *FAST], "snakemake")
     # the reference: the same config, locally, one core (the SLURM node's jobs use the other)
     local, _ = start(local_wf, [*runs, "--cores", "1", "--configfile", "reduced.yaml"], "snakemake")
@@ -305,6 +309,17 @@ def test_a_crashed_training_command_resumes_from_its_checkpoint(sweep):
     resumed = re.search(r"resuming from (checkpoint-\d+)", log).group(1)
     assert resumed in sweep.crashed["checkpoints"], (resumed, sweep.crashed)
     assert _metrics(sweep.slurm_wf, "rope") == _metrics(sweep.local_wf, "rope")
+
+
+def test_a_job_killed_while_saving_resumes_from_the_last_complete_checkpoint(sweep):
+    assert (sweep.slurm_wf / "fault-fired").is_file(), "the fault in the save of `baseline` never fired"
+    run = _run(sweep.slurm_wf, "baseline")
+    assert run["status"] == "done", run
+    assert [r["checkpoint"] for r in run["incomplete_checkpoints"]] == ["checkpoint-8"], run
+    log = (sweep.slurm_wf / f"logs/{SWEEP}/train/{MODEL}/baseline/seed0.log").read_text()
+    assert "checkpoint-8 is incomplete" in log and "resuming from checkpoint-4" in log, log[-3000:]
+    assert (sweep.run_dir["baseline"] / "checkpoints/incomplete/checkpoint-8").is_dir()  # set aside, kept
+    assert _metrics(sweep.slurm_wf, "baseline") == _metrics(sweep.local_wf, "baseline")
 
 
 def test_the_profile_needs_only_environment_variables_and_no_account(sweep):

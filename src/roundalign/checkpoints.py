@@ -171,18 +171,18 @@ def rotate(ckpt_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
-def fault_point(point: str, step: int) -> None:
-    """Tests: ``ROUNDALIGN_FAULT_INJECT=<point>@<step>[@<once-file>]`` SIGKILLs this process when a save of step
-    ``step`` reaches ``point`` (one of FAULT_POINTS); with a once-file, only if that file does not exist yet (it is
-    created first), so that a retried job gets past the fault."""
+def fault_point(point: str, step: int, where: str | os.PathLike = "") -> None:
+    """Tests: ``ROUNDALIGN_FAULT_INJECT=<point>@<step>[@<once-file>[@<match>]]`` SIGKILLs this process when a save
+    of step ``step`` reaches ``point`` (one of FAULT_POINTS). With a once-file, only if that file does not exist yet
+    (it is created first), so that a retried job gets past the fault; with ``match``, only in a run whose checkpoint
+    directory (``where``) contains that text (e.g. one variant of a sweep)."""
     spec = os.environ.get("ROUNDALIGN_FAULT_INJECT")
     if not spec:
         return
-    where, _, rest = spec.partition("@")
-    at, _, once = rest.partition("@")
-    if where not in FAULT_POINTS:
-        raise ValueError(f"ROUNDALIGN_FAULT_INJECT: unknown point {where!r}; valid: {', '.join(FAULT_POINTS)}")
-    if where != point or int(at) != step:
+    at_point, at_step, once, match = (spec.split("@") + ["", "", "", ""])[:4]
+    if at_point not in FAULT_POINTS:
+        raise ValueError(f"ROUNDALIGN_FAULT_INJECT: unknown point {at_point!r}; valid: {', '.join(FAULT_POINTS)}")
+    if at_point != point or int(at_step) != step or (match and match not in str(where)):
         return
     if once:
         if Path(once).exists():

@@ -325,10 +325,10 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
             from .checkpoints import fault_point, mark_complete, rotate
 
             D.barrier()  # every rank's files (ZeRO-3 shards) are written before the marker
-            fault_point("before_marker", st.global_step)
+            fault_point("before_marker", st.global_step, args.output_dir)
             if ckpt.is_dir() and files.is_main:
                 mark_complete(ckpt)
-                fault_point("after_marker", st.global_step)
+                fault_point("after_marker", st.global_step, args.output_dir)
                 rotate(ckpt.parent, cfg.keep_checkpoints)  # Trainer's rotation is off (build_grpo_args)
             D.barrier()
             files.write()

@@ -207,7 +207,7 @@ class RoundalignGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         from .checkpoints import fault_point
 
-        fault_point("save_begin", self.state.global_step)
+        fault_point("save_begin", self.state.global_step, self.args.output_dir)
         super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir=None, _internal_call=False):
@@ -215,19 +215,19 @@ class RoundalignGRPOTrainer(GRPOTrainer):
         if _internal_call:
             from .checkpoints import fault_point
 
-            fault_point("after_model", self.state.global_step)
+            fault_point("after_model", self.state.global_step, self.args.output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         from .checkpoints import fault_point
 
         super()._save_optimizer_and_scheduler(output_dir)
-        fault_point("after_optimizer", self.state.global_step)
+        fault_point("after_optimizer", self.state.global_step, self.args.output_dir)
 
     def _save_rng_state(self, output_dir):
         from .checkpoints import fault_point
 
         super()._save_rng_state(output_dir)
-        fault_point("after_rng", self.state.global_step)
+        fault_point("after_rng", self.state.global_step, self.args.output_dir)
 
 
 def master_state_dict(trainer) -> dict[str, torch.Tensor]:
