@@ -3,8 +3,8 @@ was damaged afterwards, sets that checkpoint aside, resumes from the last comple
 uninterrupted run's metrics.jsonl (wall-clock fields aside) and status ``done``.
 
 The kills are real SIGKILLs of a ``roundalign train`` process, at named points of Trainer's save path
-(``ROUNDALIGN_FAULT_INJECT``: after the weights, after the optimizer state, after every file but before the
-completion marker); the resumes run in this process."""
+(``ROUNDALIGN_FAULT_INJECT``: between the files of a save, after the optimizer state; after every file but before the
+completion marker; right after the marker); the resumes run in this process."""
 
 import json
 import os
@@ -64,7 +64,8 @@ def _resume(model, out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("point,step,resumes_from", [
-    ("after_model", 4, 2),       # the weights written, nothing else
+    # (a kill before the save's first file leaves nothing to see; after the weights alone is the case below with
+    # fewer files written)
     ("before_marker", 4, 2),     # every file written and flushed, the marker not yet
     ("after_optimizer", 2, 0),   # the first save, between its files: no complete checkpoint at all
 ])

@@ -5,7 +5,8 @@
   bitwise equal (teacher-forced logprobs on fixed sequences) to a fresh engine built from the fp32 masters rounded
   to bf16, and the engine before the sync differs (so the check can fail when the sync is stale);
 - a reduced run through the CLI: metrics, run.json's engine record (guard, GEMM path);
-- resume after SIGTERM gives the uninterrupted run's metrics.jsonl.
+- resume after SIGTERM, and after a SIGKILL in the middle of a checkpoint's save, gives the uninterrupted run's
+  metrics.jsonl.
 """
 
 import json
@@ -60,6 +61,9 @@ def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tm
     assert not torch.equal(probe.after[0], probe.after[-1])  # the weights kept moving
 
 
+STEPS = 6
+
+
 def _cli(model, out, steps, *extra):
     sets = {**FAST, "learning_rate": 2e-3, "checkpoint_every": 2}
     return [sys.executable, "-m", "roundalign", "train", "--model", model, "--variant", "full", "--backend", "vllm",
@@ -72,9 +76,9 @@ def _metrics(run_dir):
             for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_cli_run_then_sigterm_and_resume_equals_the_uninterrupted_run(sft_model, tmp_path):
+def test_cli_run_then_sigterm_then_a_kill_mid_save_and_resume_equals_the_uninterrupted_run(sft_model, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    full = subprocess.run(_cli(sft_model, tmp_path / "full", 5), env=env, capture_output=True, text=True, timeout=600)
+    full = subprocess.run(_cli(sft_model, tmp_path / "full", STEPS), env=env, capture_output=True, text=True, timeout=600)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     assert "[vllm-guard] engine matches the vllm-cpu-compiled map" in full.stdout
     run = json.loads((tmp_path / "full/run.json").read_text())
@@ -83,27 +87,37 @@ def test_cli_run_then_sigterm_and_resume_equals_the_uninterrupted_run(sft_model,
     assert record["checked"] and record["device_type"] == "cpu" and record["dtype"] == "bfloat16", record
     assert set(record["kernels"]["gemm"]) == {vllm_cpu.LIVE_GEMM}, record["kernels"]
     rows = _metrics(tmp_path / "full")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for key in ("reward/mean", "mismatch/token/k3", "mismatch/seq/k3", "policy/entropy", "optim/grad_norm"):
         assert all(key in r for r in rows), key
     assert any(r["optim/grad_norm"] > 0 for r in rows)  # the policy really trains
     assert all(0 <= r["mismatch/token/k3"] < 1e-2 for r in rows)  # bf16-level mismatch, not a broken engine
 
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(_cli(sft_model, cut, 5), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_cli(sft_model, cut, STEPS), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:  # preempt once step 3 is logged (checkpoint: 2)
-        if (cut / "metrics.jsonl").is_file() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 3:
+    while time.monotonic() < deadline and proc.poll() is None:  # preempt once step 2 is logged (and saved)
+        if (cut / "metrics.jsonl").is_file() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 2:
             proc.send_signal(signal.SIGTERM)
             break
         time.sleep(0.2)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, out[-3000:]
     assert json.loads((cut / "run.json").read_text())["status"] == "preempted"
-    again = subprocess.run(_cli(sft_model, cut, 5), env=env, capture_output=True, text=True, timeout=600)
+    preempted = json.loads((cut / "run.json").read_text())["last_step"]  # saved on SIGTERM
+    # resumed, then killed (SIGKILL) in the middle of its next save (every 2 steps), after the optimizer file
+    nxt = preempted + 2 - preempted % 2
+    crash = subprocess.run(_cli(sft_model, cut, STEPS), env={**env, "ROUNDALIGN_FAULT_INJECT": f"after_optimizer@{nxt}"},
+                           capture_output=True, text=True, timeout=600)
+    assert crash.returncode == -9, crash.stdout[-3000:] + crash.stderr[-3000:]
+    again = subprocess.run(_cli(sft_model, cut, STEPS), env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert json.loads((cut / "run.json").read_text())["resumed_from"]
+    assert f"checkpoint-{nxt} is incomplete" in again.stdout, again.stdout
+    assert f"resuming from checkpoint-{preempted}" in again.stdout, again.stdout
+    run = json.loads((cut / "run.json").read_text())
+    assert run["resumed_from"] == [preempted, preempted], run
+    assert run["incomplete_checkpoints"][0]["checkpoint"] == f"checkpoint-{nxt}", run
     assert _metrics(cut) == rows
 
 
