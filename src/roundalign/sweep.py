@@ -206,7 +206,7 @@ class Sweep:
         spec = self.models[model]
         python = self.config.get("python", "python")
         if spec["gpus"] > 1:
-            accelerate = "accelerate" if python == "python" else f"{shlex.quote(python)} -m accelerate.commands.launch"
+            accelerate = "accelerate launch" if python == "python" else f"{shlex.quote(python)} -m accelerate.commands.launch"
             return (f"{accelerate} --config_file {shlex.quote(spec['accelerate_config'])} "
                     f"--num_processes {spec['gpus']}")
         return shlex.quote(python)
