@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from . import fig_is_ratio, fig_k3, fig_logp_diff, fig_probe, fig_reward, summary
-from ._common import FORMATS, check_formats, load_table
+from ._common import FORMATS, check_formats, load_table, tables
 
 # stem -> module, in the order they are made
 FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, fig_probe, summary)}
@@ -61,26 +61,45 @@ CAPTIONS: dict[str, str] = {
 }
 
 
-def make_all(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf"), figures=None,
-             log=print) -> list[Path]:
+def make_all(aggregate_dir, out_dir: str | Path, formats=("png", "pdf"), figures=None, log=print) -> list[Path]:
     """Make every figure (or the stems in ``figures``) into ``out_dir``; returns the written paths.
+    ``aggregate_dir`` is a directory or a ``_common.Tables`` (tables already read are not read again).
     Raises FileNotFoundError when ``aggregate_dir`` is missing and ValueError on an unknown format or stem."""
     formats = check_formats(formats)
     figures = list(FIGURES) if figures is None else list(figures)
     unknown = [f for f in figures if f not in FIGURES]
     if unknown:
         raise ValueError(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
-    aggregate_dir = Path(aggregate_dir)
-    load_table(aggregate_dir, "runs")  # fail before any output when the aggregate is missing
+    agg = tables(aggregate_dir)
+    agg["runs"]  # fail before any output when the aggregate is missing
     t0 = time.perf_counter()
     paths: list[Path] = []
     for stem in figures:
         t = time.perf_counter()
-        written = FIGURES[stem].make(aggregate_dir, out_dir, formats)
+        written = FIGURES[stem].make(agg, out_dir, formats)
         paths.extend(written)
         log(f"[plot] {stem}: {', '.join(p.name for p in written)} ({time.perf_counter() - t:.1f}s)")
     log(f"[plot] wrote {len(paths)} files to {out_dir} in {time.perf_counter() - t0:.1f}s")
     return paths
 
 
-__all__ = ["CAPTIONS", "FIGURES", "FORMATS", "make_all", "load_table"]
+def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, log=print) -> list[Path]:
+    """``make_all`` for each (aggregate_dir, out_dir) of ``pairs`` in one process (the plotting imports are paid
+    once, each sweep's tables are read once), and with ``stress`` also the stress figures
+    (``roundalign.plots.stress``) of every aggregate directory that holds stress_runs.csv."""
+    from . import stress as stress_plots
+
+    formats = check_formats(formats)
+    paths: list[Path] = []
+    for aggregate_dir, out_dir in pairs:
+        agg = tables(aggregate_dir)
+        paths += make_all(agg, out_dir, formats, figures, log)
+        if stress and agg.has("stress_runs"):
+            t = time.perf_counter()
+            written = stress_plots.make(agg, out_dir, formats)
+            paths += written
+            log(f"[plot] stress figures: {len(written)} files to {out_dir} ({time.perf_counter() - t:.1f}s)")
+    return paths
+
+
+__all__ = ["CAPTIONS", "FIGURES", "FORMATS", "make_all", "make_sweeps", "load_table", "tables"]

@@ -60,7 +60,7 @@ def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: 
     ax.set_xlim(-0.5, len(groups) - 0.5)
     ax.grid(False, axis="x")
     if log:
-        ax.set_yscale("log")
+        C.set_log_y(ax)
         if floor is not None:
             ax.set_ylim(floor / 3, ax.get_ylim()[1] * (30 if (rows["value"] > 0).sum() == 0 else 3))
 
@@ -112,7 +112,7 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
                 v = d[d["variant"] == variant].sort_values("layer")
                 if len(v):
                     ax.plot(v["layer"], v["value"], marker="o", ms=3.5, lw=1.5, color=pal[variant], label=variant)
-            ax.set_yscale("log")
+            C.set_log_y(ax)
             C.mark_floor(ax, floor)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_title(f"{group[0]} ({group[1]})" if multi_engine else group[0], fontsize=9)
@@ -127,5 +127,6 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    fig, _ = plot_probe(C.load_table(aggregate_dir, "probe"), C.load_table(aggregate_dir, "probe_layers"))
+    tables = C.tables(aggregate_dir)
+    fig, _ = plot_probe(tables["probe"], tables["probe_layers"])
     return C.save(fig, out_dir, STEM, C.check_formats(formats))
