@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -88,6 +89,59 @@ def test_share_of_gap_closed_is_relative_to_baseline_and_the_fp32_floor():
     # delta_baseline = 0.011, floor 0.001: full (0.011-0.005)/0.010 = 0.6; rope (0.011-0.013)/0.010 = -0.2
     assert g["full"] == pytest.approx(0.6) and g["rope"] == pytest.approx(-0.2)
     assert g["baseline"] == 0.0 and g["fp32"] == pytest.approx(1.0)
+
+
+GAP = "mismatch/token/logp_abs_diff_mean"
+GAP_COL = "mismatch_token_logp_abs_diff_mean"
+
+
+def _arms(**values):
+    return pd.DataFrame([{"base": "m", "dose": "d", "variant": v, GAP_COL: x} for v, xs in values.items() for x in xs])
+
+
+def test_gap_interval_reaching_zero_means_no_gap_to_close():
+    # gap = mean(0.010, 0.014) - mean(0.009, 0.013) = 0.001 > 0, but the bootstrap means are baseline in
+    # {0.010, 0.012, 0.014} and fp32 in {0.009, 0.011, 0.013}: resampled gaps run from -0.003 to 0.005, so the
+    # interval holds 0 and the shares (0.001 in the denominator) are not reported
+    g = gap_table(_arms(baseline=[0.010, 0.014], fp32=[0.009, 0.013], full=[0.0095, 0.0105]), GAP)
+    assert g["gap"].iloc[0] == pytest.approx(0.001)
+    assert g["gap_ci_low"].iloc[0] < 0 < g["gap_ci_high"].iloc[0]
+    assert not g["has_gap"].any() and g["share_closed"].isna().all() and g["share_ci_low"].isna().all()
+    # a negative gap (baseline below the floor) is no gap either
+    g = gap_table(_arms(baseline=[0.010, 0.011, 0.012], fp32=[0.0115, 0.0125, 0.0135], full=[0.01]), GAP)
+    assert g["gap"].iloc[0] == pytest.approx(-0.0015) and not g["has_gap"].any()
+
+
+def test_gap_bootstrap_interval_holds_the_estimate_and_is_seeded():
+    rng = np.random.default_rng(7)
+    arms = _arms(baseline=0.010 + 0.001 * rng.standard_normal(5), fp32=1e-6 + 1e-7 * rng.standard_normal(5),
+                 full=0.006 + 0.001 * rng.standard_normal(5), rope=0.011 + 0.002 * rng.standard_normal(5))
+    g = gap_table(arms, GAP, num_resamples=500)
+    assert g["has_gap"].all() and (g["gap_ci_low"] > 0).all() and (g["num_runs"] == 5).all()
+    t = g.set_index("variant")
+    for v in ("full", "rope"):
+        assert t.loc[v, "share_ci_low"] <= t.loc[v, "share_closed"] <= t.loc[v, "share_ci_high"], v
+        assert t.loc[v, "share_ci_high"] - t.loc[v, "share_ci_low"] > 0.01, v  # 5 noisy runs: a real interval
+    # the anchors are exact in every resample: baseline closes 0, the floor all of the gap
+    assert (t.loc["baseline", ["share_closed", "share_ci_low", "share_ci_high"]] == 0).all()
+    assert t.loc["fp32", ["share_ci_low", "share_ci_high"]].tolist() == pytest.approx([1.0, 1.0])
+    assert gap_table(arms, GAP, num_resamples=500).equals(g)  # default_rng(seed): identical run to run
+    assert not gap_table(arms, GAP, num_resamples=500, seed=1).equals(g)
+
+
+def test_derived_tables_rewritten_from_the_committed_runs_table(tmp_path):
+    # stress_runs.csv holds floats as repr, so survival and gap recomputed from it are the aggregated ones
+    from roundalign.io import atomic_write_csv
+    from roundalign.stress import _frozen, derived_tables, rewrite_derived_tables
+
+    runs = _arms(baseline=[0.0101, 0.0123, 0.0117], fp32=[1.3e-6, 1.1e-6, 0.9e-6], full=[0.0071, 0.0052, 0.0066])
+    runs = runs.assign(time=[120, 40, 120, 120, 120, 120, 120, 120, 97], event=[0, 1, 0, 0, 0, 0, 0, 0, 1])
+    atomic_write_csv(_frozen(runs), tmp_path / "stress_runs.csv")
+    rewrite_derived_tables(tmp_path, **QUIET)
+    for name, df in derived_tables(runs, GAP).items():
+        expected = tmp_path / f"expected_{name}.csv"
+        atomic_write_csv(_frozen(df), expected)
+        assert (tmp_path / f"{name}.csv").read_bytes() == expected.read_bytes(), name
 
 
 # -- task --------------------------------------------------------------------------------------------------------
