@@ -144,6 +144,82 @@ def test_derived_tables_rewritten_from_the_committed_runs_table(tmp_path):
         assert (tmp_path / f"{name}.csv").read_bytes() == expected.read_bytes(), name
 
 
+# -- stress figures ----------------------------------------------------------------------------------------------
+
+def _stress_runs(events):
+    """One row per run: 2 variants x 2 doses x 3 seeds, each run 120 steps long (the configured horizon) unless
+    ``events`` gives it an event step (the run trains on, censored at 120 after its event as in the sweep)."""
+    rows = []
+    for dose in ("auto", "fp8_e4m3"):
+        for variant in ("baseline", "fp32"):
+            for seed in range(3):
+                step = events.get((dose, variant, seed))
+                rows.append({"sweep": "syn", "model": f"m-{dose}", "base": "m", "dose": dose, "variant": variant,
+                             "seed": seed, "last_step": 120, "event": int(step is not None),
+                             "event_kind": "reward" if step else "", "event_step": step or math.nan,
+                             "time": step or 120, "reward_collapse_step": step or math.nan,
+                             GAP_COL: (0.05 if dose == "fp8_e4m3" else 0.01 * (variant == "baseline")) + 1e-3 * seed,
+                             "mismatch_token_k3": 1e-4, "mismatch_token_token_mult_prob_error": 1.0,
+                             "verl_violation_frac": 0.0, "reward_first": 0.1, "reward_last": 0.2 + 0.01 * seed})
+    return pd.DataFrame(rows)
+
+
+def test_survival_panels_run_to_the_horizon_with_the_number_at_risk():
+    from roundalign.plots.stress import plot_survival
+    from roundalign.stress import survival_table
+
+    runs = _stress_runs({("auto", "baseline", 0): 40, ("auto", "baseline", 1): 75})  # last event at 75
+    fig, axes = plot_survival(survival_table(runs), runs)
+    assert axes.shape == (2, 2)  # one row per variant, one column per dose: no curve hides another
+    assert [ax.get_title() for ax in axes[0]] == ["dose auto", "dose fp8_e4m3"]
+    for ax in axes.ravel():
+        assert ax.get_xlim()[1] >= 120  # the horizon every run lasted, not the last event (75)
+        (curve,) = [line for line in ax.get_lines() if line.get_gid() == "survival"]
+        assert curve.get_xdata()[-1] == 120
+    ax = axes[0, 0]  # baseline, auto: 3 runs, events at 40 and 75 -> S = 2/3 then 1/3
+    assert list(ax.get_lines()[0].get_ydata()[-2:]) == pytest.approx([1 / 3, 1 / 3])
+    at_risk = {t.get_position()[0]: t.get_text() for t in ax.texts if t.get_gid() == "at_risk"}
+    assert at_risk == {0.0: "3", 30.0: "3", 60.0: "2", 90.0: "1", 120.0: "1"}  # time >= tick
+    events = [line for line in ax.get_lines() if line.get_gid() == "event"]
+    assert list(events[0].get_xdata()) == [40.0, 75.0]
+
+
+def test_gap_figure_draws_a_note_where_there_is_no_gap_and_intervals_elsewhere():
+    from roundalign.plots.stress import plot_gap
+    from roundalign.stress import gap_table
+
+    runs = _stress_runs({})
+    runs = runs.assign(variant=runs["variant"].where(runs["seed"] != 2, "full"))  # a third arm: full
+    gap = gap_table(runs, GAP, num_resamples=200)
+    # auto: baseline 0.010-0.011 over fp32 0-0.001, a clear gap; fp8_e4m3: both arms 0.050-0.051, none
+    assert gap.groupby("dose")["has_gap"].all().to_dict() == {"auto": True, "fp8_e4m3": False}
+    fig, axes = plot_gap(gap, runs)
+    auto, fp8 = axes
+    assert [t.get_gid() for t in fp8.texts if t.get_gid() == "no_gap"] == ["no_gap"]
+    assert not [c for c in fp8.collections if c.get_gid() == "share:full"]  # no ratio over a noise denominator
+    assert not [t for t in auto.texts if t.get_gid() == "no_gap"]
+    (bars,) = [c for c in auto.collections if c.get_gid() == "share:full"]
+    (lo, hi) = bars.get_segments()[0][:, 1]
+    share = gap.set_index(["dose", "variant"]).loc[("auto", "full"), "share_closed"]
+    assert lo <= share <= hi
+
+
+def test_dose_figure_has_a_categorical_dose_axis_and_no_line_across_doses():
+    from roundalign.plots.stress import plot_dose, wilson_interval
+
+    runs = _stress_runs({("fp8_e4m3", "fp32", 0): 30})
+    fig, axes = plot_dose(runs)
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["auto", "fp8_e4m3"]
+        data = [line for line in ax.get_lines() if line.get_gid() != "dose_sep"]  # points and caps
+        assert len(ax.containers) == 4 and all(line.get_linestyle() == "None" for line in data)  # no lines
+        assert len([c for c in ax.collections if (c.get_gid() or "").startswith("dose:")]) == 4  # each with a CI
+    assert axes[0].get_yscale() == "log"
+    # 0 of 3 and 1 of 3 runs with an event: Wilson 95% upper bound of 0/3 is z^2 / (3 + z^2) = 0.561
+    assert wilson_interval(0, 3)[1] == pytest.approx(1.959963984540054 ** 2 / (3 + 1.959963984540054 ** 2))
+    assert wilson_interval(0, 3)[0] == 0.0 and wilson_interval(3, 3)[1] == 1.0
+
+
 # -- task --------------------------------------------------------------------------------------------------------
 
 def test_digits_task_is_deterministic_with_varying_lengths_and_exact_grading():
