@@ -30,29 +30,35 @@ CAPTIONS: dict[str, str] = {
     "fig_reward": (
         "Training reward (reward/mean, the mean task reward over a step's completions) against the GRPO "
         "optimizer step, one panel per model and one colour per trainer variant. Lines are the mean over "
-        "seeds and bands a 95% bootstrap confidence interval over seeds (no band with a single seed). A "
-        "triangle marks the step at which a run's rolling reward mean was flagged as collapsed."),
+        "seeds and bands a 95% bootstrap confidence interval over seeds; with a single seed a line is that run "
+        "and there is no band (the subtitle says which). A triangle marks the step at which a run's rolling "
+        "reward mean was flagged as collapsed."),
     "fig_k3": (
         "Train-vs-inference mismatch during training: the token-level k3 estimate of KL(engine || trainer) "
         "in nats per token (log scale) against the optimizer step, one panel per model, mean over seeds "
-        "with a 95% bootstrap band. Exact zeros, i.e. bitwise-identical log-probabilities, are drawn on the "
-        "dotted floor labelled '0 (bitwise)'. An x marks the step at which a run collapsed (non-finite "
-        "loss, gradient norm or k3)."),
+        "with a 95% bootstrap band (a single seed: the run itself, no band). Exact zeros, i.e. bitwise-identical "
+        "log-probabilities, are drawn on the dotted floor labelled '0 (bitwise)'. An x marks the step at which "
+        "a run collapsed (non-finite loss, gradient norm or k3)."),
     "fig_is_ratio": (
         "Token-level importance ratio pi_train / pi_engine of the sampled tokens, minimum, mean and "
         "maximum over each step's tokens (rows), against the optimizer step, one column per model. The "
-        "dashed line at 1 is perfect agreement; mean over seeds with a 95% bootstrap band."),
+        "dashed line at 1 is perfect agreement; mean over seeds with a 95% bootstrap band (a single seed: the "
+        "run itself, no band)."),
     "fig_logp_diff": (
         "Mean and maximum absolute difference between the trainer's and the inference engine's "
         "log-probability of each sampled token, in nats (log scale), against the optimizer step, one "
-        "column per model; mean over seeds with a 95% bootstrap band. Exact zeros are drawn on the floor "
-        "labelled '0 (bitwise)'."),
+        "column per model; mean over seeds with a 95% bootstrap band (a single seed: the run itself, no band). "
+        "Exact zeros are drawn on the floor labelled '0 (bitwise)'."),
     "fig_probe": (
         "Offline probe at identical weights: the engine samples completions and each trainer variant "
-        "recomputes their log-probabilities. Top left: token-level k3 (nats per token, log scale; a "
-        "hatched bar labelled '0 (bitwise)' is an exact zero). Top right: fraction of tokens whose "
-        "log-probability is bitwise equal. Bottom: RMS relative error of the hidden state after each "
-        "decoder layer, trainer variant vs engine (log scale), one panel per model."),
+        "recomputes their log-probabilities, once per model and engine (one prompt set, no replicate). Top "
+        "left: token-level k3 (nats per token, log scale; a hatched bar labelled '0 (bitwise)' is an exact "
+        "zero), a mean over the probe's tokens without an interval (the probe keeps no per-token values). Top "
+        "right: fraction of tokens whose log-probability is bitwise equal, with a 95% Wilson interval over the "
+        "probe's tokens taken as independent (they are not quite: tokens of one completion correlate); a dash "
+        "on the axis is an exact 0. Bottom: RMS relative error of the hidden state after each decoder layer, "
+        "trainer variant vs engine (log scale), one panel per model; a variant equal to an earlier one at every "
+        "layer is drawn dashed over it and named in the panel."),
     "summary": (
         "Per model and trainer variant, over seeds: number of seeds, of finished and of collapsed runs "
         "with their collapse steps, runs whose reward collapsed, final reward (mean of reward/mean over the "

@@ -395,9 +395,20 @@ def models_of(*tables: pd.DataFrame) -> list[str]:
 
 # ------------------------------------------------------------------------------- metric vs step grids
 
+def seeds_subtitle(rows: pd.DataFrame) -> str:
+    """What the lines and bands of a per-step figure are, given its rows: with one seed per (model, variant) a
+    line is that run and there is no interval to draw, which the subtitle says rather than promise bands."""
+    if rows.empty:
+        return ""
+    per_line = rows.groupby(["model", "variant"])["seed"].nunique()
+    if per_line.max() <= 1:
+        return "one seed per variant: each line is a single run (no interval over seeds)"
+    text = "lines: mean over seeds; bands: 95% bootstrap CI over seeds"
+    return text + (" (none where a single seed)" if per_line.min() <= 1 else "")
+
+
 def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: str, log_y: bool, n_boot: int,
-                seed: int, hline: float | None = None,
-                subtitle: str = "lines: mean over seeds; bands: 95% bootstrap CI over seeds"):
+                seed: int, hline: float | None = None, subtitle: str | None = None):
     """Metric(s) vs optimizer step, hue = variant, mean over seeds with a bootstrap 95% CI band.
 
     One metric: one panel per model (wrapped) and a 1-D array of axes. Several metrics: one row per
@@ -409,7 +420,8 @@ def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: st
     names = [m for m, _ in metrics]
     models = models_of(runs)
     present = runs[runs["metric"].isin(names)]
-    variants = variant_order(present["variant"])
+    variants = variant_order(present["variant"].unique())
+    subtitle = seeds_subtitle(present) if subtitle is None else subtitle
     floors: dict[str, float | None] = {}
     if not models or present.empty:
         fig, axes = grid(1, 1)
