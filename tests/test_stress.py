@@ -164,24 +164,29 @@ def _stress_runs(events):
     return pd.DataFrame(rows)
 
 
-def test_survival_panels_run_to_the_horizon_with_the_number_at_risk():
-    from roundalign.plots.stress import plot_survival
+def test_survival_rows_run_to_the_horizon_with_the_number_at_risk():
+    from roundalign.plots.stress import SURVIVAL_ROW, plot_survival
     from roundalign.stress import survival_table
 
     runs = _stress_runs({("auto", "baseline", 0): 40, ("auto", "baseline", 1): 75})  # last event at 75
     fig, axes = plot_survival(survival_table(runs), runs)
-    assert axes.shape == (2, 2)  # one row per variant, one column per dose: no curve hides another
-    assert [ax.get_title() for ax in axes[0]] == ["dose auto", "dose fp8_e4m3"]
-    for ax in axes.ravel():
+    assert [ax.get_title() for ax in axes] == ["dose auto", "dose fp8_e4m3"]
+    for ax in axes:
         assert ax.get_xlim()[1] >= 120  # the horizon every run lasted, not the last event (75)
-        (curve,) = [line for line in ax.get_lines() if line.get_gid() == "survival"]
-        assert curve.get_xdata()[-1] == 120
-    ax = axes[0, 0]  # baseline, auto: 3 runs, events at 40 and 75 -> S = 2/3 then 1/3
-    assert list(ax.get_lines()[0].get_ydata()[-2:]) == pytest.approx([1 / 3, 1 / 3])
-    at_risk = {t.get_position()[0]: t.get_text() for t in ax.texts if t.get_gid() == "at_risk"}
+        curves = [line for line in ax.get_lines() if line.get_gid() == "survival"]
+        assert [c.get_xdata()[-1] for c in curves] == [120, 120]
+        # one row per variant, offset: baseline's S = 1 sits at 1 + ROW, fp32's at ROW, so neither hides the other
+        assert [c.get_ydata()[0] for c in curves] == pytest.approx([1 + SURVIVAL_ROW, SURVIVAL_ROW])
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == ["baseline", "fp32"]  # rows named once
+    ax = axes[0]  # baseline, auto: 3 runs, events at 40 and 75 -> S = 2/3 then 1/3
+    baseline = [line for line in ax.get_lines() if line.get_gid() == "survival"][0]
+    assert list(baseline.get_ydata()[-2:]) == pytest.approx([1 + SURVIVAL_ROW / 3] * 2)
+    at_risk = {t.get_position()[0]: t.get_text() for t in ax.texts
+               if t.get_gid() == "at_risk" and t.get_position()[1] > 1}  # baseline's row
     assert at_risk == {0.0: "3", 30.0: "3", 60.0: "2", 90.0: "1", 120.0: "1"}  # time >= tick
-    events = [line for line in ax.get_lines() if line.get_gid() == "event"]
-    assert list(events[0].get_xdata()) == [40.0, 75.0]
+    (events,) = [line for line in ax.get_lines() if line.get_gid() == "event"]
+    assert list(events.get_xdata()) == [40.0, 75.0]
+    assert [t.get_text() for t in ax.texts if t.get_gid() == "final"] == ["0.33"]
 
 
 def test_gap_figure_draws_a_note_where_there_is_no_gap_and_intervals_elsewhere():

@@ -57,7 +57,8 @@ rule all_figures:
         "logs/figures.log",
     localrule: True
     conda:
-        CONDA_ENV
+        # CONDA_ENV is relative to workflow/rules/, where the other figure rules live
+        "../environment.yml"
     params:
         aggregates=" ".join(f"results/{s}/aggregate" for s in SWEEPS),
         outs=" ".join(f"figures/{s}" for s in SWEEPS),

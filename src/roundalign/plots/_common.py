@@ -431,8 +431,8 @@ def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: st
     if len(metrics) == 1:
         fig, flat = wrapped_grid(len(models))
         axes = flat[None, :]
-    else:
-        fig, axes = grid(len(metrics), len(models))
+    else:  # one step axis per column: tick labels and the x label on the bottom row only
+        fig, axes = grid(len(metrics), len(models), sharex="col")
     from matplotlib.ticker import MaxNLocator
 
     for i, (metric, ylabel) in enumerate(metrics):
@@ -454,7 +454,7 @@ def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: st
             if hline is not None:
                 ax.axhline(hline, color="0.3", lw=0.8, ls="--", zorder=0)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel(STEP_LABEL)
+            ax.set_xlabel(STEP_LABEL if i == len(metrics) - 1 else "")
             ax.set_ylabel(ylabel)
     suptitle(fig, title, runs, subtitle)
     return fig, (axes[0] if len(metrics) == 1 else axes), floors

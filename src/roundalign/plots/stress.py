@@ -45,11 +45,12 @@ CAPTIONS = {
         "digit-string copying, emulated engine with split-K GEMMs, SDPA decode, Inductor's RMSNorm reduction and "
         "the dose's KV-cache storage): fraction of runs without a collapse event (non-finite values, reward "
         "below half its running best for the configured number of consecutive steps, or a grad-norm spike above "
-        "the configured multiple of its running median) against the optimizer step, one row per variant and one "
-        "column per dose level, pooled over models and seeds; bands are pointwise 95% Greenwood intervals "
-        "(log-log scale), x marks the steps with events, and the grey numbers are the runs still at risk at "
-        "each tick. The x-axis runs to the sweep's longest run (its configured number of steps unless every run "
-        "stopped early)."),
+        "the configured multiple of its running median) against the optimizer step, one panel per dose level "
+        "and one row per variant, pooled over models and seeds. Each row is its own survival axis, from 0 (solid "
+        "line) to 1 (dotted), so that arms at 1 do not hide one another; bands are pointwise 95% Greenwood "
+        "intervals (log-log scale), x marks the steps with events, the grey numbers are the runs still at risk "
+        "at each tick, and the number at the right is the survival at the end of follow-up. The x-axis runs to "
+        "the sweep's longest run (its configured number of steps unless every run stopped early)."),
     "stress_mismatch": (
         "Mean |log p_train - log p_engine| per sampled token (nats, log scale) against the optimizer step, one "
         f"row per variant and one column per dose level: each run's mean over windows of {WINDOW_STEPS} steps, "
@@ -166,52 +167,69 @@ def _label_grid(axes, variants, doses, ylabel: str) -> None:
 
 # --------------------------------------------------------------------------------------------- figures
 
+SURVIVAL_ROW = 0.78  # height of S = 0..1 within a variant's row of the survival figure (rows 1 apart)
+
+
 def plot_survival(surv: pd.DataFrame, stress_runs: pd.DataFrame):
-    """Kaplan-Meier curves as small multiples (row = variant, column = dose), each to the end of its cell's
-    follow-up, on a shared x-axis to ``horizon``; x at event steps (gid "event"), the number at risk at each
-    x tick (gid "at_risk"). Returns (fig, axes[variant, dose])."""
+    """Kaplan-Meier curves, one panel per dose, one row per variant (offset, so nine arms at S = 1 do not hide
+    one another): a row's floor is S = 0 and its top S = 1. Each curve (gid "survival") runs to the end of its
+    cell's follow-up, on a shared x-axis to ``horizon``, with its Greenwood band (gid "ci"), x at event steps
+    (gid "event"), the number at risk at each x tick (gid "at_risk") and, where a run had an event, the final S
+    at the right (gid "final"). Returns (fig, axes: one per dose)."""
+    from matplotlib.figure import Figure
+
     with C.style():
         doses = _doses(surv) if len(surv) else _doses(stress_runs)
         variants = _variants(surv) if len(surv) else _variants(stress_runs)
         pal = C.palette(variants)
         end = horizon(stress_runs, surv)
-        ticks = MaxNLocator(nbins=4, integer=True).tick_values(0, end)
-        ticks = [t for t in ticks if 0 <= t <= end]
-        fig, axes = _variant_grid(variants, doses, sharey=True)
+        ticks = [t for t in MaxNLocator(nbins=4, integer=True).tick_values(0, end) if 0 <= t <= end]
+        n = max(len(variants), 1)
+        fig = Figure(figsize=(3.5 * max(len(doses), 1) + 1.4, 0.5 * n + 1.3), layout="constrained")
+        axes = fig.subplots(1, max(len(doses), 1), squeeze=False, sharex=True, sharey=True)[0]
         if not len(surv):
-            C.no_data(axes[0, 0], "no data: stress_survival.csv is empty")
-        for i, v in enumerate(variants):
-            for j, dose in enumerate(doses):
-                ax = axes[i, j]
+            C.no_data(axes[0], "no data: stress_survival.csv is empty")
+        for ax, dose in zip(axes, doses):
+            ax.set_title(_dose_label(dose), fontsize=9)
+            ax.grid(False, axis="y")
+            for i, v in enumerate(variants):
+                y0 = n - 1 - i  # the first variant on top
+                ax.axhline(y0, color="0.85", lw=0.8, zorder=0)
+                ax.axhline(y0 + SURVIVAL_ROW, color="0.85", lw=0.6, ls=":", zorder=0)
                 g = surv[(surv["variant"] == v) & (surv["dose"] == dose)].sort_values("time", kind="stable")
                 cell = stress_runs[(stress_runs["variant"] == v) & (stress_runs["dose"] == dose)]
                 if g.empty:
-                    C.no_data(ax, "no runs")
+                    ax.text(end / 2, y0 + SURVIVAL_ROW / 2, "no runs", ha="center", va="center", fontsize=7,
+                            color="0.4")
                     continue
                 last = max(float(g["time"].max()), float(cell["time"].max()) if len(cell) else 0.0)
                 t = np.append(g["time"].to_numpy(dtype="float64"), last)
-                s = np.append(g["survival"].to_numpy(dtype="float64"), g["survival"].iloc[-1])
-                lo = np.append(g["ci_low"].to_numpy(dtype="float64"), g["ci_low"].iloc[-1])
-                hi = np.append(g["ci_high"].to_numpy(dtype="float64"), g["ci_high"].iloc[-1])
-                C.band(ax, t, lo, hi, step="post", color=pal[v], alpha=0.2, lw=0, gid="ci")
-                ax.step(t, s, where="post", color=pal[v], lw=1.5, gid="survival")
+                srv, lo, hi = (np.append(g[c].to_numpy(dtype="float64"), g[c].iloc[-1])
+                               for c in ("survival", "ci_low", "ci_high"))
+                C.band(ax, t, y0 + SURVIVAL_ROW * lo, y0 + SURVIVAL_ROW * hi, step="post", color=pal[v], alpha=0.2,
+                       lw=0, gid="ci")
+                ax.step(t, y0 + SURVIVAL_ROW * srv, where="post", color=pal[v], lw=1.5, gid="survival")
                 ev = g[g["num_events"] > 0]
                 if len(ev):
-                    ax.plot(ev["time"], ev["survival"], "x", color=pal[v], ms=5, mew=1.5, gid="event")
-                if len(cell):
-                    for tick in ticks:
-                        ax.text(tick, 0.06, str(at_risk(cell["time"], tick)), ha="center", va="bottom", fontsize=6,
-                                color="0.4", gid="at_risk")
-        # every panel shares both axes: set once (each call on a shared axis updates all its siblings)
-        ax = axes[0, 0]
+                    ax.plot(ev["time"], y0 + SURVIVAL_ROW * ev["survival"], "x", color=pal[v], ms=5, mew=1.5,
+                            gid="event")
+                    ax.text(1.01 * end, y0 + SURVIVAL_ROW * srv[-1], f"{srv[-1]:.2f}", ha="left", va="center",
+                            fontsize=6.5, color=pal[v], gid="final")
+                for tick in ticks if len(cell) else ():
+                    ax.text(tick, y0 + 0.04, str(at_risk(cell["time"], tick)), ha="center", va="bottom", fontsize=6,
+                            color="0.45", gid="at_risk")
+            ax.set_xlabel(C.STEP_LABEL)
+        ax = axes[0]  # every panel shares both axes: set once (each call updates all the siblings)
         ax.set_xlim(-0.05 * end, 1.05 * end)  # room for the at-risk numbers at 0 and at the horizon
         ax.set_xticks(ticks)
-        ax.set_ylim(-0.02, 1.08)
-        ax.set_yticks([0, 0.5, 1])
-        _label_grid(axes, variants, doses, "fraction of runs without a collapse event")
+        ax.set_ylim(-0.12, n - 1 + SURVIVAL_ROW + 0.12)
+        ax.set_yticks([n - 1 - i + SURVIVAL_ROW / 2 for i in range(len(variants))], variants)
+        for label, v in zip(ax.get_yticklabels(), variants):
+            label.set_color(pal[v])
         C.suptitle(fig, "Survival without a collapse event (Kaplan-Meier, pooled over models and seeds)",
                    stress_runs if len(stress_runs) else surv,
-                   "bands: 95% Greenwood; x: events; grey numbers: runs at risk")
+                   "each row: S from 0 (solid line) to 1 (dotted); bands: 95% Greenwood; x: events; grey: runs at "
+                   "risk; right: S at the end")
     return fig, axes
 
 
@@ -237,7 +255,8 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
         doses, variants = _doses(stress_runs), [v for v in _variants(stress_runs) if v != "baseline"]
         pal = C.palette(variants)
         ref = C.palette(["baseline"])["baseline"]
-        fig, axes = _variant_grid(variants, doses, sharey="col")
+        # log mismatch spans different decades per dose: a y-axis per column; reward shares one (labels once)
+        fig, axes = _variant_grid(variants, doses, sharey="col" if log else True)
         floor = C.zero_floor(w["value"]) if log else None
         if log:
             w = C.apply_floor(w, floor)
