@@ -328,14 +328,21 @@ def mean_and_ci(df: pd.DataFrame, *, n_boot: int, seed: int, level: float = 95.0
     uniq, start, counts = np.unique(steps, return_index=True, return_counts=True)
     rng = np.random.default_rng(seed)
     sizes = sorted(set(counts.tolist()))
-    draws = {n: rng.integers(0, n, size=(n_boot, n)) for n in sizes if n > 1}
+    # each resample as counts of each draw: (n_boot, n); the resampled means are then one matrix product
+    weights = {}
+    for n in sizes:
+        if n > 1:
+            draws = rng.integers(0, n, size=(n_boot, n))
+            w = np.zeros((n_boot, n))
+            np.add.at(w, (np.arange(n_boot)[:, None], draws), 1.0 / n)
+            weights[n] = w
     out = []
     for n in sizes:
         which = np.flatnonzero(counts == n)
         vals = values[start[which][:, None] + np.arange(n)]  # (steps, n)
         mean = vals.mean(axis=1)
         if n > 1:
-            boots = vals[:, draws[n]].mean(axis=2)  # (steps, n_boot)
+            boots = vals @ weights[n].T  # (steps, n_boot)
             lo, hi = np.percentile(boots, [(100 - level) / 2, 100 - (100 - level) / 2], axis=1)
         else:
             lo = hi = np.full(len(which), np.nan)

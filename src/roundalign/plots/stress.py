@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, StrMethodFormatter
 
 from ..engine.choices import KV_CACHE_DTYPES
 from ..io import atomic_write_csv, atomic_write_text
@@ -143,13 +143,29 @@ def horizon(stress_runs: pd.DataFrame, surv: pd.DataFrame | None = None) -> floa
 # ---------------------------------------------------------------------------------------------- layout
 
 def _variant_grid(variants, doses, *, sharey="row"):
-    """One row per variant, one column per dose; returns (fig, axes[variant, dose])."""
+    """One row per variant, one column per dose; returns (fig, axes[variant, dose]). ``sharey=None``: no shared
+    axes at all (the caller sets equal limits itself, see ``plot_per_step``)."""
     from matplotlib.figure import Figure
 
     nrows, ncols = max(len(variants), 1), max(len(doses), 1)
     fig = Figure(figsize=(PANEL_IN[0] * ncols + 1.6, PANEL_IN[1] * nrows + 1.0), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=sharey)
+    share = {} if sharey is None else {"sharex": True, "sharey": sharey}
+    axes = fig.subplots(nrows, ncols, squeeze=False, **share)
     return fig, axes
+
+
+def _span(arrays, *, log: bool) -> tuple[float, float]:
+    """Limits holding every finite value of ``arrays`` with matplotlib's 5% margins (in log space for log)."""
+    v = np.concatenate([np.asarray(a, dtype="float64").ravel() for a in arrays] or [np.array([])])
+    v = v[np.isfinite(v) & ((v > 0) if log else True)]
+    if not len(v):
+        return (0.1, 1.0) if log else (0.0, 1.0)
+    lo, hi = float(v.min()), float(v.max())
+    if log:
+        lo, hi = math.log10(lo), math.log10(hi)
+    pad = 0.05 * (hi - lo) if hi > lo else 0.5
+    lo, hi = lo - pad, hi + pad
+    return (10 ** lo, 10 ** hi) if log else (lo, hi)
 
 
 def _label_grid(axes, variants, doses, ylabel: str) -> None:
@@ -160,7 +176,7 @@ def _label_grid(axes, variants, doses, ylabel: str) -> None:
     for i, v in enumerate(variants):
         axes[i, 0].set_ylabel(v, color=pal[v], fontsize=8.5)
     for ax in axes.ravel():
-        ax.tick_params(labelsize=7)
+        ax.tick_params(which="both", labelsize=7)
     fig = axes[0, 0].figure
     fig.supylabel(ylabel, fontsize=9)
 
@@ -255,8 +271,10 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
         doses, variants = _doses(stress_runs), [v for v in _variants(stress_runs) if v != "baseline"]
         pal = C.palette(variants)
         ref = C.palette(["baseline"])["baseline"]
-        # log mismatch spans different decades per dose: a y-axis per column; reward shares one (labels once)
-        fig, axes = _variant_grid(variants, doses, sharey="col" if log else True)
+        # No shared axes: with 24 panels, matplotlib's sibling bookkeeping cost more than the drawing; equal
+        # limits are set here instead, and inner tick labels hidden. Log mismatch spans different decades per
+        # dose, so a y range per column; reward one for all.
+        fig, axes = _variant_grid(variants, doses, sharey=None)
         floor = C.zero_floor(w["value"]) if log else None
         if log:
             w = C.apply_floor(w, floor)
@@ -274,15 +292,33 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
                     ax.plot(st["step"], st["mean"], color=color, ls=ls, lw=1.3, gid=gid, zorder=z + 1)
                     if st["num_seeds"].max() > 1:
                         C.band(ax, st["step"], st["lo"], st["hi"], color=color, alpha=alpha, lw=0,
-                                        gid=f"ci:{gid}", zorder=z)
+                               gid=f"ci:{gid}", zorder=z)
                 if (dose, v) not in stats:
                     C.no_data(ax, "no runs")
-        for j in range(len(doses)):
-            if log:
-                C.set_log_y(axes[0, j])  # shared down the column
-                for i in range(len(variants)):
-                    C.mark_floor(axes[i, j], floor)
-        axes[0, 0].xaxis.set_major_locator(MaxNLocator(nbins=4, integer=True))  # shared by every panel
+        end = horizon(stress_runs)
+        xticks = [t for t in MaxNLocator(nbins=4, integer=True).tick_values(0, end) if 0 <= t <= end]
+        column = {dose: [a for (d, _), st in stats.items() if d == dose for a in (st["mean"], st["lo"], st["hi"])]
+                  for dose in doses}
+        every = [a for arrays in column.values() for a in arrays]
+        plain = StrMethodFormatter("{x:g}")  # ScalarFormatter's offset and precision logic: 0.5 s a figure
+        for j, dose in enumerate(doses):
+            ylim = _span(column[dose] if log else every, log=log)
+            if log and floor is not None and any((st["mean"] <= floor).any() for (d, _), st in stats.items()
+                                                 if d == dose):
+                ylim = (min(ylim[0], floor / 3), ylim[1])
+            for i in range(len(variants)):
+                ax = axes[i, j]
+                if log:
+                    C.set_log_y(ax)
+                    if ylim[0] <= (floor or 0) <= ylim[1]:
+                        C.mark_floor(ax, floor)
+                else:
+                    ax.yaxis.set_major_formatter(plain)
+                ax.set_ylim(*ylim)
+                ax.set_xlim(0, end)
+                ax.set_xticks(xticks)
+                ax.xaxis.set_major_formatter(plain)
+                ax.tick_params(labelbottom=i == len(variants) - 1, labelleft=log or j == 0)
         _label_grid(axes, variants, doses, ylabel)
         handles = [Line2D([], [], color=ref, ls="--", lw=1.5, label="baseline arm of the same dose")]
         fig.legend(handles=handles, loc="outside lower center", fontsize=8)
