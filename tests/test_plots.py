@@ -323,3 +323,17 @@ def test_log_labels_are_plain_text():
     assert C.plain_log_label(r"$\mathdefault{10^{-14}}$") == "10⁻¹⁴"
     assert C.plain_log_label(r"$\mathdefault{6\times10^{-2}}$") == "6×10⁻²"
     assert C.plain_log_label("0.5") == "0.5"
+
+
+def test_cli_plot_draws_several_sweeps_in_one_process_without_torch(agg_dir, tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["plot", "--aggregate", str(agg_dir), str(agg_dir), "--out", str(a), str(b), "--formats", "png",
+                 "--figures", "summary"]) == 0
+    assert (a / "summary.csv").read_bytes() == (b / "summary.csv").read_bytes()
+    assert main(["plot", "--aggregate", str(agg_dir), str(agg_dir), "--out", str(a)]) == 2
+    assert "one output directory per aggregate directory" in capsys.readouterr().err
+    # the figure verbs parse without make_parser(), whose roundalign.tiny import pulls in torch (~3 s a process)
+    code = ("import sys; from roundalign import cli; cli.make_figure_parser().parse_args(['plot', '--aggregate', 'x', "
+            "'--out', 'y', '--stress']); import roundalign.plots, roundalign.plots.stress; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"
