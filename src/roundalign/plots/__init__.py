@@ -11,6 +11,9 @@ order of ``roundalign.config.TRAIN_VARIANTS``), bootstrap bands are seeded (``se
 reset inside the plotting code, and timestamps are removed from the file metadata.
 
     roundalign plot --aggregate results/smoke/aggregate --out figures/smoke --formats png,pdf
+    # every sweep in one process, with the stress figures where there are stress tables (make figures)
+    roundalign plot --aggregate results/smoke/aggregate results/stress/aggregate \
+        --out figures/smoke figures/stress --stress
 
 ``CAPTIONS`` maps each file stem to a one-paragraph caption (for a Snakemake report).
 """

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import LogFormatterSciNotation, LogLocator
+from matplotlib.ticker import LogFormatterSciNotation, LogLocator, StrMethodFormatter
 
 from ..io import atomic_path
 
@@ -148,6 +148,12 @@ def save(fig: Figure, out_dir: str | Path, stem: str, formats) -> list[Path]:
     # draw_without_rendering would use, so the same positions) and saves a third draw; otherwise in a draw of its
     # own. Every format then shares that layout.
     order = sorted(formats, key=lambda f: f != "png")
+    # Spines out of the layout: the style draws no tick marks, so a spine reaches half its line width past its
+    # axes, yet measuring it makes matplotlib recompute the axis' ticks, four spines a panel and twice per layout
+    # (a fifth of the layout time of a 24-panel figure).
+    for ax in fig.axes:
+        for spine in ax.spines.values():
+            spine.set_in_layout(False)
     if order[0] != "png":
         with style():
             fig.draw_without_rendering()
@@ -460,7 +466,10 @@ def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: st
                 mark_floor(ax, floors[metric])
             if hline is not None:
                 ax.axhline(hline, color="0.3", lw=0.8, ls="--", zorder=0)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # ~5 step labels: enough to read
+            # integer steps print the same through a plain format, without ScalarFormatter's offset and
+            # precision search at every draw (~0.5 s a figure of 24 panels)
+            ax.xaxis.set_major_formatter(StrMethodFormatter("{x:.0f}"))
             ax.set_xlabel(STEP_LABEL if i == len(metrics) - 1 else "")
             ax.set_ylabel(ylabel)
     suptitle(fig, title, runs, subtitle)

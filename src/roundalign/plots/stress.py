@@ -9,7 +9,8 @@ Every mean is drawn with its uncertainty: 95% percentile intervals of a bootstra
 resamples from ``default_rng(SEED)``), Wilson intervals for fractions of runs, Greenwood bands for survival,
 and the share of gap closed with the seed-bootstrap interval of ``roundalign.stress.gap_table``, or a "no gap to
 close" note where the baseline is not distinguishable from the floor. Nine arms do not fit on one panel without
-hiding each other, so the per-step figures are small multiples: one row per variant, one column per dose.
+hiding each other: survival gives each variant its own row (an offset 0..1 axis) in one panel per dose, and the
+per-step figures are small multiples, one row per variant and one column per dose.
 
 Figures are built like the paper figures (``_common``: no pyplot, fixed style, seeded, categories sorted:
 variants in the order of ``roundalign.config.TRAIN_VARIANTS``, doses by ``_doses``, no timestamps): reruns give
