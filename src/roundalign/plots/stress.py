@@ -143,16 +143,14 @@ def horizon(stress_runs: pd.DataFrame, surv: pd.DataFrame | None = None) -> floa
 
 # ---------------------------------------------------------------------------------------------- layout
 
-def _variant_grid(variants, doses, *, sharey="row"):
-    """One row per variant, one column per dose; returns (fig, axes[variant, dose]). ``sharey=None``: no shared
-    axes at all (the caller sets equal limits itself, see ``plot_per_step``)."""
+def _variant_grid(variants, doses):
+    """One row per variant, one column per dose, no shared axes (with 24 panels matplotlib's sibling bookkeeping
+    cost more than the drawing; ``plot_per_step`` sets equal limits itself); returns (fig, axes[variant, dose])."""
     from matplotlib.figure import Figure
 
     nrows, ncols = max(len(variants), 1), max(len(doses), 1)
     fig = Figure(figsize=(PANEL_IN[0] * ncols + 1.6, PANEL_IN[1] * nrows + 1.0), layout="constrained")
-    share = {} if sharey is None else {"sharex": True, "sharey": sharey}
-    axes = fig.subplots(nrows, ncols, squeeze=False, **share)
-    return fig, axes
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
 def _span(arrays, *, log: bool) -> tuple[float, float]:
@@ -272,10 +270,9 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
         doses, variants = _doses(stress_runs), [v for v in _variants(stress_runs) if v != "baseline"]
         pal = C.palette(variants)
         ref = C.palette(["baseline"])["baseline"]
-        # No shared axes: with 24 panels, matplotlib's sibling bookkeeping cost more than the drawing; equal
-        # limits are set here instead, and inner tick labels hidden. Log mismatch spans different decades per
-        # dose, so a y range per column; reward one for all.
-        fig, axes = _variant_grid(variants, doses, sharey=None)
+        # equal limits set below, inner tick labels hidden; log mismatch spans different decades per dose, so a
+        # y range per column, reward one for all
+        fig, axes = _variant_grid(variants, doses)
         floor = C.zero_floor(w["value"]) if log else None
         if log:
             w = C.apply_floor(w, floor)
