@@ -152,7 +152,9 @@ def save(fig: Figure, out_dir: str | Path, stem: str, formats) -> list[Path]:
     # Frozen with no layout engine at all (None, not "none"): savefig gives a figure with any engine, even
     # "none"'s placeholder, an extra draw before the real one, so each format costs one draw.
     with style():
-        fig.draw_without_rendering()
+        engine = fig.get_layout_engine()
+        if engine is not None:
+            engine.execute(fig)  # what Figure.draw runs first, without the disabled draw of every artist after it
         fig.set_layout_engine(None)
     paths = []
     for fmt in formats:
