@@ -362,9 +362,9 @@ def _dose_axis(ax, doses) -> None:
 
 
 def plot_dose(stress_runs: pd.DataFrame):
-    """Dose-response with a categorical dose axis: per (dose, variant) a marker and its 95% interval (gid
-    "dose:<variant>"), for the mismatch, the final reward and the fraction of runs with an event. Returns
-    (fig, axes)."""
+    """Dose-response with a categorical dose axis: per (dose, variant) a marker and its 95% interval, one
+    errorbar per variant over its doses (gid "dose:<variant>", markers only: nothing joins the doses), for the
+    mismatch, the final reward and the fraction of runs with an event. Returns (fig, axes)."""
     from matplotlib.figure import Figure
 
     with C.style():
@@ -378,11 +378,11 @@ def plot_dose(stress_runs: pd.DataFrame):
                   ("reward", "final reward (last 10% of steps)"),
                   ("events", "fraction of runs with a collapse event"))
         for ax, (col, ylabel) in zip(axes, panels):
-            for r in st.itertuples(index=False):
-                y, lo, hi = getattr(r, col), getattr(r, f"{col}_lo"), getattr(r, f"{col}_hi")
-                err = [[y - lo], [hi - y]] if np.isfinite(lo) else None
-                ax.errorbar([x[(r.dose, r.variant)]], [y], yerr=err, fmt="o", ms=4, color=pal[r.variant], elinewidth=1.2,
-                            capsize=1.5, gid=f"dose:{r.variant}")
+            for v, g in st.groupby("variant", sort=False):
+                y, lo, hi = (g[c].to_numpy(dtype="float64") for c in (col, f"{col}_lo", f"{col}_hi"))
+                err = np.vstack([y - lo, hi - y])  # NaN for a cell of one run: no bar drawn there
+                ax.errorbar([x[(d, v)] for d in g["dose"]], y, yerr=err, fmt="o", ms=4, color=pal[v], elinewidth=1.2,
+                            capsize=1.5, gid=f"dose:{v}")
             _dose_axis(ax, doses)
             ax.set_ylabel(ylabel)
         C.set_log_y(axes[0])
