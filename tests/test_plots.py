@@ -230,3 +230,110 @@ def test_cli_plot_selected_figures(agg_dir, tmp_path, capsys):
 def test_captions_cover_every_output_stem():
     assert set(CAPTIONS) == set(FIGURES) == set(IMAGE_STEMS) | {"summary"}
     assert all(len(c) > 100 and "\n" not in c for c in CAPTIONS.values())
+
+
+# -- uncertainty and readability ---------------------------------------------------------------------------------
+
+def _layers_frame(rows):
+    return pd.DataFrame([("syn", m, "vllm-eager", v, layer, "hidden_rel_err_rms", x) for m, v, layer, x in rows],
+                        columns=["sweep", "model", "engine", "variant", "layer", "metric", "value"])
+
+
+def test_fig_probe_draws_the_bitwise_marker_for_an_all_zero_full_line_in_every_panel():
+    # m2 is the committed smoke sweep's tiny-qwen3-untied/vllm-eager case: swiglu equals baseline at every layer,
+    # and full is exactly 0 at every layer
+    rows = []
+    for model in ("m1", "m2"):
+        for layer in range(2):
+            base = 6e-3 + 1e-3 * layer
+            rows += [(model, "baseline", layer, base), (model, "full", layer, 0.0),
+                     (model, "swiglu", layer, base if model == "m2" else base * 0.9)]
+    probe = pd.DataFrame(columns=["sweep", "model", "engine", "variant", "level", "metric", "value"])
+    fig, axes = plot_probe(probe, _layers_frame(rows))
+    assert [ax.get_title() for ax in axes["layers"]] == ["m1", "m2"]
+    for ax in axes["layers"]:
+        floor = [line for line in ax.get_lines() if line.get_gid() == "zero_floor"]
+        assert len(floor) == 1 and floor[0].get_ydata()[0] == pytest.approx(1e-4)  # a decade below 6e-3
+        assert C.ZERO_LABEL in [t.get_text() for t in ax.texts]
+        full = [line for line in ax.get_lines() if line.get_gid() == "layers:full"]
+        assert len(full) == 1 and list(full[0].get_ydata()) == pytest.approx([1e-4, 1e-4])  # on the floor
+    m1, m2 = axes["layers"]
+    assert [line.get_gid() for line in m1.get_lines() if line.get_gid().startswith("same:")] == []
+    # the twin is drawn dashed over baseline (both colours show) and named
+    twin = [line for line in m2.get_lines() if line.get_gid() == "same:swiglu"]
+    assert len(twin) == 1 and twin[0].get_linestyle() != "-"
+    assert [t.get_text() for t in m2.texts if t.get_gid() == "same_note"] == ["swiglu = baseline (every layer)"]
+
+
+def test_fig_probe_exact_fraction_has_wilson_intervals_and_shows_zeros(agg_dir):
+    probe = C.load_table(agg_dir, "probe")
+    n_tokens = probe[probe["metric"] == "tokens_exact_frac"].assign(metric="num_tokens", value=32.0)
+    probe = pd.concat([probe, n_tokens], ignore_index=True)
+    fig, axes = plot_probe(probe, C.load_table(agg_dir, "probe_layers"))
+    bars = [c for c in axes["tokens_exact_frac"].collections if c.get_gid() == "wilson"]
+    assert len(bars) == 4  # baseline and full for m1 and m2
+    # baseline: 0.25 of 32 tokens = 8 -> Wilson 95% [0.132, 0.420]
+    seg = bars[0].get_segments()[0]
+    assert seg[0][1] == pytest.approx(0.1319, abs=1e-3) and seg[1][1] == pytest.approx(0.4204, abs=1e-3)
+    zero = probe.assign(value=probe["value"].where(probe["metric"] != "tokens_exact_frac", 0.0))
+    fig, axes = plot_probe(zero, C.load_table(agg_dir, "probe_layers"))
+    ax = axes["tokens_exact_frac"]
+    assert len([line for line in ax.get_lines() if line.get_gid() == "zero_frac"]) == 4  # a dash per 0 bar
+    assert [t.get_gid() for t in ax.texts] == ["all_zero"] and ax.get_xticklabels()  # group labels kept
+
+
+def test_subtitle_says_when_a_line_is_a_single_run(agg_dir):
+    runs = C.load_table(agg_dir, "runs")
+    assert C.seeds_subtitle(runs) == "lines: mean over seeds; bands: 95% bootstrap CI over seeds"
+    one = runs[runs["seed"] == 0]
+    assert C.seeds_subtitle(one) == "one seed per variant: each line is a single run (no interval over seeds)"
+    fig, axes = plot_k3(one)
+    assert "single run" in fig.get_suptitle() and not [p for p in axes[0].patches if p.get_gid() == "ci:baseline"]
+    fig, axes = plot_k3(runs)
+    assert [p.get_gid() for p in axes[0].patches if p.get_gid() == "ci:baseline"] == ["ci:baseline"]
+
+
+def test_band_is_one_polygon_per_finite_run():
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    x = np.arange(6.0)
+    lo = np.array([0.0, 1.0, np.nan, 1.0, 2.0, 3.0])
+    patches = C.band(ax, x, lo, lo + 1)  # NaN at x = 2 splits the band, as fill_between would
+    assert [len(p.get_xy()) for p in patches] == [5, 7]  # 2 and 3 points, there and back, closed
+    (step,) = C.band(ax, [0.0, 10.0, 20.0], [0.2, 0.5, 0.5], [0.9, 0.9, 0.9], step="post")
+    assert step.get_xy()[:4, 0].tolist() == [0.0, 10.0, 10.0, 20.0]  # holds each value until the next x
+    assert ax.dataLim.x1 == 20.0 and ax.dataLim.y1 == 3.0 + 1  # counted by autoscaling
+
+
+def test_style_and_palette_are_seaborns_and_every_variant_has_its_own_colour():
+    import seaborn as sns
+
+    from roundalign.config import TRAIN_VARIANTS
+
+    expected = {**sns.axes_style("whitegrid"), **sns.plotting_context("paper")}
+    expected.pop("image.cmap")  # "rocket": registered only by an imported seaborn; no figure draws an image
+    assert C._SEABORN_WHITEGRID_PAPER == expected
+    assert C.COLORBLIND[:10] == sns.color_palette("colorblind", 10).as_hex()
+    pal = C.palette(TRAIN_VARIANTS)
+    assert len(set(pal.values())) == len(TRAIN_VARIANTS) == 11  # fp32 used to wrap onto baseline's blue
+
+
+def test_log_labels_are_plain_text():
+    assert C.plain_log_label(r"$\mathdefault{10^{-14}}$") == "10⁻¹⁴"
+    assert C.plain_log_label(r"$\mathdefault{6\times10^{-2}}$") == "6×10⁻²"
+    assert C.plain_log_label("0.5") == "0.5"
+
+
+def test_cli_plot_draws_several_sweeps_in_one_process_without_torch(agg_dir, tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["plot", "--aggregate", str(agg_dir), str(agg_dir), "--out", str(a), str(b), "--formats", "png",
+                 "--figures", "summary"]) == 0
+    assert (a / "summary.csv").read_bytes() == (b / "summary.csv").read_bytes()
+    assert main(["plot", "--aggregate", str(agg_dir), str(agg_dir), "--out", str(a)]) == 2
+    assert "one output directory per aggregate directory" in capsys.readouterr().err
+    # the figure verbs parse without make_parser(), whose roundalign.tiny import pulls in torch (~3 s a process)
+    code = ("import sys; from roundalign import cli; cli.make_figure_parser().parse_args(['plot', '--aggregate', 'x', "
+            "'--out', 'y', '--stress']); import roundalign.plots, roundalign.plots.stress; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -88,6 +89,142 @@ def test_share_of_gap_closed_is_relative_to_baseline_and_the_fp32_floor():
     # delta_baseline = 0.011, floor 0.001: full (0.011-0.005)/0.010 = 0.6; rope (0.011-0.013)/0.010 = -0.2
     assert g["full"] == pytest.approx(0.6) and g["rope"] == pytest.approx(-0.2)
     assert g["baseline"] == 0.0 and g["fp32"] == pytest.approx(1.0)
+
+
+GAP = "mismatch/token/logp_abs_diff_mean"
+GAP_COL = "mismatch_token_logp_abs_diff_mean"
+
+
+def _arms(**values):
+    return pd.DataFrame([{"base": "m", "dose": "d", "variant": v, GAP_COL: x} for v, xs in values.items() for x in xs])
+
+
+def test_gap_interval_reaching_zero_means_no_gap_to_close():
+    # gap = mean(0.010, 0.014) - mean(0.009, 0.013) = 0.001 > 0, but the bootstrap means are baseline in
+    # {0.010, 0.012, 0.014} and fp32 in {0.009, 0.011, 0.013}: resampled gaps run from -0.003 to 0.005, so the
+    # interval holds 0 and the shares (0.001 in the denominator) are not reported
+    g = gap_table(_arms(baseline=[0.010, 0.014], fp32=[0.009, 0.013], full=[0.0095, 0.0105]), GAP)
+    assert g["gap"].iloc[0] == pytest.approx(0.001)
+    assert g["gap_ci_low"].iloc[0] < 0 < g["gap_ci_high"].iloc[0]
+    assert not g["has_gap"].any() and g["share_closed"].isna().all() and g["share_ci_low"].isna().all()
+    # a negative gap (baseline below the floor) is no gap either
+    g = gap_table(_arms(baseline=[0.010, 0.011, 0.012], fp32=[0.0115, 0.0125, 0.0135], full=[0.01]), GAP)
+    assert g["gap"].iloc[0] == pytest.approx(-0.0015) and not g["has_gap"].any()
+
+
+def test_gap_bootstrap_interval_holds_the_estimate_and_is_seeded():
+    rng = np.random.default_rng(7)
+    arms = _arms(baseline=0.010 + 0.001 * rng.standard_normal(5), fp32=1e-6 + 1e-7 * rng.standard_normal(5),
+                 full=0.006 + 0.001 * rng.standard_normal(5), rope=0.011 + 0.002 * rng.standard_normal(5))
+    g = gap_table(arms, GAP, num_resamples=500)
+    assert g["has_gap"].all() and (g["gap_ci_low"] > 0).all() and (g["num_runs"] == 5).all()
+    t = g.set_index("variant")
+    for v in ("full", "rope"):
+        assert t.loc[v, "share_ci_low"] <= t.loc[v, "share_closed"] <= t.loc[v, "share_ci_high"], v
+        assert t.loc[v, "share_ci_high"] - t.loc[v, "share_ci_low"] > 0.01, v  # 5 noisy runs: a real interval
+    # the anchors are exact in every resample: baseline closes 0, the floor all of the gap
+    assert (t.loc["baseline", ["share_closed", "share_ci_low", "share_ci_high"]] == 0).all()
+    assert t.loc["fp32", ["share_ci_low", "share_ci_high"]].tolist() == pytest.approx([1.0, 1.0])
+    assert gap_table(arms, GAP, num_resamples=500).equals(g)  # default_rng(seed): identical run to run
+    assert not gap_table(arms, GAP, num_resamples=500, seed=1).equals(g)
+
+
+def test_derived_tables_rewritten_from_the_committed_runs_table(tmp_path):
+    # stress_runs.csv holds floats as repr, so survival and gap recomputed from it are the aggregated ones
+    from roundalign.io import atomic_write_csv
+    from roundalign.stress import _frozen, derived_tables, rewrite_derived_tables
+
+    runs = _arms(baseline=[0.0101, 0.0123, 0.0117], fp32=[1.3e-6, 1.1e-6, 0.9e-6], full=[0.0071, 0.0052, 0.0066])
+    runs = runs.assign(time=[120, 40, 120, 120, 120, 120, 120, 120, 97], event=[0, 1, 0, 0, 0, 0, 0, 0, 1])
+    atomic_write_csv(_frozen(runs), tmp_path / "stress_runs.csv")
+    rewrite_derived_tables(tmp_path, **QUIET)
+    for name, df in derived_tables(runs, GAP).items():
+        expected = tmp_path / f"expected_{name}.csv"
+        atomic_write_csv(_frozen(df), expected)
+        assert (tmp_path / f"{name}.csv").read_bytes() == expected.read_bytes(), name
+
+
+# -- stress figures ----------------------------------------------------------------------------------------------
+
+def _stress_runs(events):
+    """One row per run: 2 variants x 2 doses x 3 seeds, each run 120 steps long (the configured horizon) unless
+    ``events`` gives it an event step (the run trains on, censored at 120 after its event as in the sweep)."""
+    rows = []
+    for dose in ("auto", "fp8_e4m3"):
+        for variant in ("baseline", "fp32"):
+            for seed in range(3):
+                step = events.get((dose, variant, seed))
+                rows.append({"sweep": "syn", "model": f"m-{dose}", "base": "m", "dose": dose, "variant": variant,
+                             "seed": seed, "last_step": 120, "event": int(step is not None),
+                             "event_kind": "reward" if step else "", "event_step": step or math.nan,
+                             "time": step or 120, "reward_collapse_step": step or math.nan,
+                             GAP_COL: (0.05 if dose == "fp8_e4m3" else 0.01 * (variant == "baseline")) + 1e-3 * seed,
+                             "mismatch_token_k3": 1e-4, "mismatch_token_token_mult_prob_error": 1.0,
+                             "verl_violation_frac": 0.0, "reward_first": 0.1, "reward_last": 0.2 + 0.01 * seed})
+    return pd.DataFrame(rows)
+
+
+def test_survival_rows_run_to_the_horizon_with_the_number_at_risk():
+    from roundalign.plots.stress import SURVIVAL_ROW, plot_survival
+    from roundalign.stress import survival_table
+
+    runs = _stress_runs({("auto", "baseline", 0): 40, ("auto", "baseline", 1): 75})  # last event at 75
+    fig, axes = plot_survival(survival_table(runs), runs)
+    assert [ax.get_title() for ax in axes] == ["dose auto", "dose fp8_e4m3"]
+    for ax in axes:
+        assert ax.get_xlim()[1] >= 120  # the horizon every run lasted, not the last event (75)
+        curves = [line for line in ax.get_lines() if line.get_gid() == "survival"]
+        assert [c.get_xdata()[-1] for c in curves] == [120, 120]
+        # one row per variant, offset: baseline's S = 1 sits at 1 + ROW, fp32's at ROW, so neither hides the other
+        assert [c.get_ydata()[0] for c in curves] == pytest.approx([1 + SURVIVAL_ROW, SURVIVAL_ROW])
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == ["baseline", "fp32"]  # rows named once
+    ax = axes[0]  # baseline, auto: 3 runs, events at 40 and 75 -> S = 2/3 then 1/3
+    baseline = [line for line in ax.get_lines() if line.get_gid() == "survival"][0]
+    assert list(baseline.get_ydata()[-2:]) == pytest.approx([1 + SURVIVAL_ROW / 3] * 2)
+    at_risk = {t.get_position()[0]: t.get_text() for t in ax.texts
+               if t.get_gid() == "at_risk" and t.get_position()[1] > 1}  # baseline's row
+    assert at_risk == {0.0: "3", 30.0: "3", 60.0: "2", 90.0: "1", 120.0: "1"}  # time >= tick
+    (events,) = [line for line in ax.get_lines() if line.get_gid() == "event"]
+    assert list(events.get_xdata()) == [40.0, 75.0]
+    assert [t.get_text() for t in ax.texts if t.get_gid() == "final"] == ["0.33"]
+
+
+def test_gap_figure_draws_a_note_where_there_is_no_gap_and_intervals_elsewhere():
+    from roundalign.plots.stress import plot_gap
+    from roundalign.stress import gap_table
+
+    runs = _stress_runs({})
+    runs = runs.assign(variant=runs["variant"].where(runs["seed"] != 2, "full"))  # a third arm: full
+    gap = gap_table(runs, GAP, num_resamples=200)
+    # auto: baseline 0.010-0.011 over fp32 0-0.001, a clear gap; fp8_e4m3: both arms 0.050-0.051, none
+    assert gap.groupby("dose")["has_gap"].all().to_dict() == {"auto": True, "fp8_e4m3": False}
+    fig, axes = plot_gap(gap, runs)
+    auto, fp8 = axes
+    assert [t.get_gid() for t in fp8.texts if t.get_gid() == "no_gap"] == ["no_gap"]
+    assert not [c for c in fp8.collections if c.get_gid() == "share:full"]  # no ratio over a noise denominator
+    assert not [t for t in auto.texts if t.get_gid() == "no_gap"]
+    (bars,) = [c for c in auto.collections if c.get_gid() == "share:full"]
+    (lo, hi) = bars.get_segments()[0][:, 1]
+    share = gap.set_index(["dose", "variant"]).loc[("auto", "full"), "share_closed"]
+    assert lo <= share <= hi
+
+
+def test_dose_figure_has_a_categorical_dose_axis_and_no_line_across_doses():
+    from roundalign.plots.stress import plot_dose, wilson_interval
+
+    runs = _stress_runs({("fp8_e4m3", "fp32", 0): 30})
+    fig, axes = plot_dose(runs)
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["auto", "fp8_e4m3"]
+        data = [line for line in ax.get_lines() if line.get_gid() != "dose_sep"]  # points and caps
+        assert all(line.get_linestyle() == "None" for line in data)  # markers only: no line joins the doses
+        bars = {c.get_gid(): c for c in ax.collections if (c.get_gid() or "").startswith("dose:")}
+        assert sorted(bars) == ["dose:baseline", "dose:fp32"]
+        assert [len(b.get_segments()) for b in bars.values()] == [2, 2]  # an interval at each dose
+    assert axes[0].get_yscale() == "log"
+    # 0 of 3 and 1 of 3 runs with an event: Wilson 95% upper bound of 0/3 is z^2 / (3 + z^2) = 0.561
+    assert wilson_interval(0, 3)[1] == pytest.approx(1.959963984540054 ** 2 / (3 + 1.959963984540054 ** 2))
+    assert wilson_interval(0, 3)[0] == 0.0 and wilson_interval(3, 3)[1] == 1.0
 
 
 # -- task --------------------------------------------------------------------------------------------------------

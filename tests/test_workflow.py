@@ -190,6 +190,18 @@ def test_figures_rebuild_from_committed_tables_byte_identically(wf_with_results)
     assert not (wf / "work").exists()  # nothing was trained or built
 
 
+def test_figures_entry_point_is_one_job_whatever_the_number_of_sweeps(wf_with_results):
+    # one process draws every sweep (imports paid once): a copy of the smoke sweep's tables as a third sweep adds
+    # its figures to the one job, not a job (and a process start) of its own
+    shutil.copytree(wf_with_results / "results/smoke/aggregate", wf_with_results / "results/smoke2/aggregate")
+    res = smk(wf_with_results, "-s", "workflow/figures.smk", "--cores", "1", "-n", "-p", "--forceall")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert job_counts(res.stdout) == {"all": 1, "all_figures": 1, "total": 2}
+    assert ("plot --aggregate results/smoke/aggregate results/smoke2/aggregate results/stress/aggregate --out "
+            "figures/smoke figures/smoke2 figures/stress --stress") in res.stdout
+    assert "figures/smoke2/fig_probe.png" in res.stdout and "figures/smoke2/stress_gap.png" not in res.stdout
+
+
 def test_figures_entry_point_names_a_missing_table(wf_with_results):
     (wf_with_results / "results/smoke/aggregate/probe.csv").unlink()
     shutil.rmtree(wf_with_results / "figures")

@@ -3,15 +3,16 @@ missing table is a clear MissingInputException instead of a retraining.
 
     snakemake -s workflow/figures.smk --cores 1        # (make figures)
 
-Every sweep with a committed results/<sweep>/aggregate/runs.csv is plotted into figures/<sweep>/.
+Every sweep with a committed results/<sweep>/aggregate/runs.csv is plotted into figures/<sweep>/, and one with
+results/<sweep>/aggregate/stress_runs.csv also gets the stress figures. One job draws them all, in one process:
+the plotting imports are paid once and each table is read once, so adding a sweep adds only its figures' time
+(a process per sweep and kind cost ~4 s each on 2 cores, most of `make figures`).
 """
 
 from pathlib import Path
 
 
 include: "rules/figures_common.smk"
-include: "rules/figures_rule.smk"
-include: "rules/stress_figures_rule.smk"
 
 
 SWEEPS = sorted(
@@ -21,14 +22,45 @@ if not SWEEPS:
     raise ValueError(
         "no results/<sweep>/aggregate/runs.csv found: nothing to plot (run the sweep first)"
     )
+STRESS_SWEEPS = [
+    s for s in SWEEPS if Path(f"results/{s}/aggregate/stress_runs.csv").is_file()
+]
 
 
 rule all:
     default_target: True
     input:
         [figure_targets(s) for s in SWEEPS],
+        [stress_figure_targets(s) for s in STRESS_SWEEPS],
+
+
+rule all_figures:
+    input:
         [
-            stress_figure_targets(s)
+            expand(
+                "results/{sweep}/aggregate/{table}.csv",
+                sweep=s,
+                table=AGGREGATE_TABLES,
+            )
             for s in SWEEPS
-            if Path(f"results/{s}/aggregate/stress_runs.csv").is_file()
         ],
+        [
+            expand(
+                "results/{sweep}/aggregate/{table}.csv", sweep=s, table=STRESS_TABLES
+            )
+            for s in STRESS_SWEEPS
+        ],
+    output:
+        [figure_targets(s) for s in SWEEPS],
+        [stress_figure_targets(s) for s in STRESS_SWEEPS],
+    log:
+        "logs/figures.log",
+    localrule: True
+    conda:
+        # CONDA_ENV is relative to workflow/rules/, where the other figure rules live
+        "../environment.yml"
+    params:
+        aggregates=" ".join(f"results/{s}/aggregate" for s in SWEEPS),
+        outs=" ".join(f"figures/{s}" for s in SWEEPS),
+    shell:
+        "python -m roundalign plot --aggregate {params.aggregates} --out {params.outs} --stress > {log} 2>&1"

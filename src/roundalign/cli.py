@@ -37,6 +37,39 @@ def _csv_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _add_figure_verbs(sub) -> None:
+    ps = sub.add_parser("plot-stress", help="figures of a stress sweep from its aggregated stress tables")
+    ps.add_argument("--aggregate", required=True, help="aggregate directory holding stress_*.csv")
+    ps.add_argument("--out", required=True, help="figure directory")
+    ps.add_argument("--formats", default="png,pdf", help="comma-separated formats (default png,pdf)")
+
+    pl = sub.add_parser("plot", help="paper figures and summary table from aggregate directories")
+    pl.add_argument("--aggregate", required=True, nargs="+",
+                    help="directory written by `roundalign aggregate`; several (one per sweep) are drawn in one "
+                         "process, each into the --out directory at the same position")
+    pl.add_argument("--out", required=True, nargs="+",
+                    help="output directory: fig_<name>.<fmt>, summary.csv, summary.md (one per --aggregate)")
+    pl.add_argument("--formats", type=_csv_list, default=("png", "pdf"),
+                    help="comma-separated image formats: png, pdf, svg (default png,pdf)")
+    pl.add_argument("--figures", type=_csv_list, default=None,
+                    help="comma-separated figure stems to make (default all: fig_reward, fig_k3, fig_is_ratio, "
+                         "fig_logp_diff, fig_probe, summary)")
+    pl.add_argument("--stress", action="store_true",
+                    help="also the stress figures (as plot-stress) of each aggregate directory holding "
+                         "stress_runs.csv")
+
+
+# Verbs that only read tables and draw. They get a parser of their own: make_parser() names the choices of every
+# verb, and roundalign.tiny (ARCHS) imports torch, ~3 s of each figure process on 2 cores.
+FIGURE_VERBS = ("plot", "plot-stress")
+
+
+def make_figure_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0])
+    _add_figure_verbs(p.add_subparsers(dest="verb", required=True, metavar="VERB"))
+    return p
+
+
 def make_parser() -> argparse.ArgumentParser:
     from .engine import ATTN_IMPLS, ENGINE_GEMMS
     from .engine.choices import ENGINE_ATTN_IMPLS
@@ -147,19 +180,7 @@ def make_parser() -> argparse.ArgumentParser:
     ag.add_argument("--stress-gap-metric", default="mismatch/token/logp_abs_diff_mean",
                     help="stress: metric of the share of gap (default mismatch/token/logp_abs_diff_mean)")
 
-    ps = sub.add_parser("plot-stress", help="figures of a stress sweep from its aggregated stress tables")
-    ps.add_argument("--aggregate", required=True, help="aggregate directory holding stress_*.csv")
-    ps.add_argument("--out", required=True, help="figure directory")
-    ps.add_argument("--formats", default="png,pdf", help="comma-separated formats (default png,pdf)")
-
-    pl = sub.add_parser("plot", help="paper figures and summary table from an aggregate directory")
-    pl.add_argument("--aggregate", required=True, help="directory written by `roundalign aggregate`")
-    pl.add_argument("--out", required=True, help="output directory: fig_<name>.<fmt>, summary.csv, summary.md")
-    pl.add_argument("--formats", type=_csv_list, default=("png", "pdf"),
-                    help="comma-separated image formats: png, pdf, svg (default png,pdf)")
-    pl.add_argument("--figures", type=_csv_list, default=None,
-                    help="comma-separated figure stems to make (default all: fig_reward, fig_k3, fig_is_ratio, "
-                         "fig_logp_diff, fig_probe, summary)")
+    _add_figure_verbs(sub)
 
     fm = sub.add_parser("fetch-model", help="download a hub model snapshot (on a host with network)")
     fm.add_argument("--hub-id", required=True, help="hub id, e.g. Qwen/Qwen2.5-Math-1.5B")
@@ -262,9 +283,12 @@ def run_plot_stress(args) -> None:
 
 
 def run_plot(args) -> None:
-    from .plots import make_all
+    from .plots import make_sweeps
 
-    make_all(args.aggregate, args.out, formats=args.formats, figures=args.figures)
+    if len(args.aggregate) != len(args.out):
+        raise ValueError(f"{len(args.aggregate)} --aggregate directories but {len(args.out)} --out directories: "
+                         "give one output directory per aggregate directory")
+    make_sweeps(list(zip(args.aggregate, args.out)), formats=args.formats, figures=args.figures, stress=args.stress)
 
 
 VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_cli,
@@ -274,7 +298,8 @@ VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = (make_figure_parser() if argv[:1] and argv[0] in FIGURE_VERBS else make_parser()).parse_args(argv)
     try:
         code = VERBS[args.verb](args)
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError, TypeError,

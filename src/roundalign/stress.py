@@ -8,7 +8,8 @@ Reads the same per-run files as ``roundalign.aggregate`` (``R/runs/{model}/{vari
                          reward_collapse_step, grad_norm_collapse_step (each detector's own first step, any order),
                          <per-run means of the mismatch metrics>, verl_violation_frac, reward_first, reward_last
     stress_survival.csv  variant,dose,time,num_at_risk,num_events,survival,ci_low,ci_high
-    stress_gap.csv       base,dose,variant,gap_metric,delta,delta_baseline,delta_floor,share_closed
+    stress_gap.csv       base,dose,variant,gap_metric,num_runs,delta,delta_baseline,delta_floor,gap,gap_ci_low,
+                         gap_ci_high,has_gap,share_closed,share_ci_low,share_ci_high
 
 Definitions:
 
@@ -23,9 +24,15 @@ Definitions:
   requires pandas < 3, which conflicts with the pinned pandas); ``tests/test_stress.py`` checks the table
   against a hand count.
 - Share of gap closed, per (base model, dose, variant): delta = mean over seeds of the run's mean over steps of
-  ``gap_metric`` (default: mean |logp_train - logp_engine| per token, nats); share = (delta_baseline - delta) /
-  (delta_baseline - delta_floor) with the floor the fp32 run. 1 = as on-policy as fp32 on both sides, 0 = no
-  better than baseline, < 0 worse. NaN when the baseline is not above the floor.
+  ``gap_metric`` (default: mean |logp_train - logp_engine| per token, nats); gap = delta_baseline - delta_floor with
+  the floor the fp32 arm; share = (delta_baseline - delta) / gap. 1 = as on-policy as fp32 on both sides, 0 = no
+  better than baseline, < 0 worse. Intervals are 95% percentile intervals of a seed bootstrap: each arm's runs
+  are resampled with replacement, independently of the other arms (runs of different arms are separate
+  trainings), ``num_resamples`` times from ``default_rng(seed)``, the same draws for every (base, dose), so the
+  table is identical run to run. ``has_gap`` is false when the gap's interval reaches 0 (or the gap is not
+  positive): the baseline is then not distinguishable from the floor, there is no gap to close, and share_closed
+  and its interval are NaN, since a ratio over a denominator indistinguishable from 0 is noise (fp8_e4m3 of the
+  committed stress sweep: gap 0.0024 nats, interval -0.0027..0.0086, point shares down to -2.6).
 - ``verl_violation_frac``: fraction of the run's steps with ``health/verl_any`` = 1 (verl's rollout-correction
   health checks, ``roundalign.metrics.verl_health_flags``).
 """
@@ -151,20 +158,48 @@ def survival_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
 
 
-def gap_table(runs: pd.DataFrame, gap_metric: str, floor: str = "fp32") -> pd.DataFrame:
-    """Share of the baseline-to-floor mismatch gap each variant closes, per (base, dose)."""
+GAP_COLUMNS = ["base", "dose", "variant", "gap_metric", "num_runs", "delta", "delta_baseline", "delta_floor", "gap",
+               "gap_ci_low", "gap_ci_high", "has_gap", "share_closed", "share_ci_low", "share_ci_high"]
+NUM_RESAMPLES = 2000  # seed-bootstrap resamples of the gap and share intervals
+BOOT_SEED = 0
+
+
+def gap_table(runs: pd.DataFrame, gap_metric: str, floor: str = "fp32", *, num_resamples: int = NUM_RESAMPLES,
+              seed: int = BOOT_SEED, level: float = 95.0) -> pd.DataFrame:
+    """Share of the baseline-to-floor mismatch gap each variant closes, per (base, dose), with seed-bootstrap
+    intervals (see the module docstring). ``runs``: one row per run with base, dose, variant and the gap metric's
+    column; returns the columns ``GAP_COLUMNS``."""
     col = _col(gap_metric)
+    q = [(100 - level) / 2, 100 - (100 - level) / 2]
     rows = []
     for (base, dose), g in runs.groupby(["base", "dose"], sort=True):
-        delta = g.groupby("variant")[col].mean()
+        arms = {v: a[col].to_numpy(dtype="float64") for v, a in g.groupby("variant", sort=True)}
+        arms = {v: x[np.isfinite(x)] for v, x in arms.items()}
+        rng = np.random.default_rng(seed)
+        # (num_resamples,) bootstrap means per arm, arms drawn one after the other in sorted order
+        boot = {v: (x[rng.integers(0, len(x), size=(num_resamples, len(x)))].mean(axis=1) if len(x)
+                    else np.full(num_resamples, np.nan)) for v, x in arms.items()}
+        delta = {v: float(x.mean()) if len(x) else math.nan for v, x in arms.items()}
         d_base, d_floor = delta.get("baseline", math.nan), delta.get(floor, math.nan)
-        denom = d_base - d_floor
+        gap = d_base - d_floor
+        if "baseline" in boot and floor in boot:
+            boot_gap = boot["baseline"] - boot[floor]
+            gap_lo, gap_hi = np.percentile(boot_gap, q) if np.isfinite(boot_gap).all() else (math.nan, math.nan)
+        else:
+            boot_gap, gap_lo, gap_hi = None, math.nan, math.nan
+        has_gap = bool(gap > 0 and gap_lo > 0)
         for variant, d in delta.items():
-            share = (d_base - d) / denom if denom > 0 else math.nan
-            rows.append({"base": base, "dose": dose, "variant": variant, "gap_metric": gap_metric, "delta": d,
-                         "delta_baseline": d_base, "delta_floor": d_floor, "share_closed": share})
-    cols = ["base", "dose", "variant", "gap_metric", "delta", "delta_baseline", "delta_floor", "share_closed"]
-    return pd.DataFrame(rows, columns=cols)
+            share = lo = hi = math.nan
+            if has_gap:
+                share = (d_base - d) / gap
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    boot_share = np.where(boot_gap > 0, (boot["baseline"] - boot[variant]) / boot_gap, np.nan)
+                lo, hi = np.nanpercentile(boot_share, q)
+            rows.append({"base": base, "dose": dose, "variant": variant, "gap_metric": gap_metric,
+                         "num_runs": len(arms[variant]), "delta": d, "delta_baseline": d_base, "delta_floor": d_floor,
+                         "gap": gap, "gap_ci_low": float(gap_lo), "gap_ci_high": float(gap_hi), "has_gap": has_gap,
+                         "share_closed": share, "share_ci_low": float(lo), "share_ci_high": float(hi)})
+    return pd.DataFrame(rows, columns=GAP_COLUMNS)
 
 
 def _frozen(df: pd.DataFrame) -> pd.DataFrame:
@@ -176,17 +211,42 @@ def _frozen(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def derived_tables(runs: pd.DataFrame, gap_metric: str, floor: str = "fp32") -> dict[str, pd.DataFrame]:
+    """The tables computed from ``stress_runs`` alone: survival and share of gap."""
+    return {"stress_survival": survival_table(runs), "stress_gap": gap_table(runs, gap_metric, floor)}
+
+
 def write_stress_tables(results_root: str | Path, out_dir: str | Path, dose_key: str, floor: str = "fp32",
                         gap_metric: str = "mismatch/token/logp_abs_diff_mean", sweep: str | None = None,
                         log=print) -> dict[str, Path]:
     runs = read_stress_runs(results_root, dose_key, sweep)
-    tables = {"stress_runs": runs, "stress_survival": survival_table(runs),
-              "stress_gap": gap_table(runs, gap_metric, floor)}
+    tables = {"stress_runs": runs, **derived_tables(runs, gap_metric, floor)}
+    paths = _write(tables, out_dir)
+    log(f"[aggregate] stress: {len(runs)} runs, {int(runs['event'].sum()) if len(runs) else 0} with a collapse "
+        f"event -> " + ", ".join(str(p) for p in paths.values()))
+    return paths
+
+
+def rewrite_derived_tables(aggregate_dir: str | Path, floor: str = "fp32",
+                           gap_metric: str = "mismatch/token/logp_abs_diff_mean", log=print) -> dict[str, Path]:
+    """Recompute stress_survival.csv and stress_gap.csv from the committed stress_runs.csv: what
+    ``write_stress_tables`` would write, for a sweep whose raw per-run files are not at hand (results/stress/runs
+    is not committed). stress_runs.csv stores floats as repr, so the values read back are the ones aggregated.
+
+        python -c "from roundalign.stress import rewrite_derived_tables as r; r('results/stress/aggregate')"
+    """
+    aggregate_dir = Path(aggregate_dir)
+    runs = pd.read_csv(aggregate_dir / STRESS_FILES["stress_runs"])
+    paths = _write(derived_tables(runs, gap_metric, floor), aggregate_dir)
+    log(f"[aggregate] stress: {len(runs)} runs from {aggregate_dir / STRESS_FILES['stress_runs']} -> "
+        + ", ".join(str(p) for p in paths.values()))
+    return paths
+
+
+def _write(tables: dict[str, pd.DataFrame], out_dir: str | Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     paths = {}
     for name, df in tables.items():
         paths[name] = out_dir / STRESS_FILES[name]
         atomic_write_csv(_frozen(df), paths[name])
-    log(f"[aggregate] stress: {len(runs)} runs, {int(runs['event'].sum()) if len(runs) else 0} with a collapse "
-        f"event -> " + ", ".join(str(p) for p in paths.values()))
     return paths

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from pathlib import Path
 
 import matplotlib as mpl
@@ -18,6 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import LogFormatterSciNotation, LogLocator, StrMethodFormatter
 
 from ..io import atomic_path
 
@@ -58,35 +60,103 @@ def load_table(aggregate_dir: str | Path, name: str) -> pd.DataFrame:
         raise FileNotFoundError(f"{path} does not exist (written by `roundalign aggregate`)")
     dtypes = _TABLES[name]
     try:
-        return pd.read_csv(path, dtype=dtypes, keep_default_na=False, na_values={c: [""] for c, t in
-                                                                              dtypes.items() if t != "str"})
+        df = pd.read_csv(path, dtype=dtypes, keep_default_na=False, na_values={c: [""] for c, t in
+                                                                            dtypes.items() if t != "str"})
     except (ValueError, pd.errors.ParserError) as exc:
         raise ValueError(f"{path}: not an aggregate table ({exc})") from None
+    # Python strings (object dtype), not pandas' default Arrow strings: the figures iterate these columns (sets of
+    # models, zips of keys), and iterating an Arrow array element by element was ~3 s of `make figures`.
+    return df.astype({c: object for c, t in dtypes.items() if t == "str" and c in df.columns})
+
+
+class Tables:
+    """The aggregate tables of one directory, each read at most once: several figures draw from runs.csv, the
+    largest table (11 MB for the stress sweep), and one process draws them all. ``tables[name]`` reads
+    ``<name>.csv`` (``load_table``'s fixed dtypes for the general tables, pandas' for the stress tables)."""
+
+    def __init__(self, aggregate_dir: str | Path):
+        self.dir = Path(aggregate_dir)
+        self._cache: dict[str, pd.DataFrame] = {}
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        if name not in self._cache:
+            if name in _TABLES:
+                self._cache[name] = load_table(self.dir, name)
+            else:
+                path = self.dir / f"{name}.csv"
+                if not path.is_file():
+                    raise FileNotFoundError(f"{path} does not exist (written by `roundalign aggregate`)")
+                self._cache[name] = pd.read_csv(path)
+        return self._cache[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._cache or (self.dir / f"{name}.csv").is_file()
+
+
+def tables(aggregate: "str | Path | Tables") -> Tables:
+    """``aggregate`` as a ``Tables`` (a directory path is wrapped; a ``Tables`` is returned as it is)."""
+    return aggregate if isinstance(aggregate, Tables) else Tables(aggregate)
+
+
+# seaborn 0.13.2's axes_style("whitegrid") and plotting_context("paper"), written out: importing seaborn (and
+# the scipy.stats it pulls in) cost ~1 s of every figure process; tests/test_plots.py checks these against it.
+# Less seaborn's "image.cmap": "rocket", a colormap only an imported seaborn registers (no figure draws an image).
+_SEABORN_WHITEGRID_PAPER = {
+    "figure.facecolor": "white", "axes.labelcolor": ".15", "xtick.direction": "out", "ytick.direction": "out",
+    "xtick.color": ".15", "ytick.color": ".15", "axes.axisbelow": True, "grid.linestyle": "-", "text.color": ".15",
+    "font.family": ["sans-serif"], "font.sans-serif": ["Arial", "DejaVu Sans", "Liberation Sans",
+                                                       "Bitstream Vera Sans", "sans-serif"],
+    "lines.solid_capstyle": "round", "patch.edgecolor": "w", "patch.force_edgecolor": True,
+    "xtick.top": False, "ytick.right": False, "axes.grid": True, "axes.facecolor": "white", "axes.edgecolor": ".8",
+    "grid.color": ".8", "axes.spines.left": True, "axes.spines.bottom": True, "axes.spines.right": True,
+    "axes.spines.top": True, "xtick.bottom": False, "ytick.left": False,
+    "axes.linewidth": 1.0, "grid.linewidth": 0.8, "lines.linewidth": 1.2000000000000002,
+    "lines.markersize": 4.800000000000001, "patch.linewidth": 0.8, "xtick.major.width": 1.0,
+    "ytick.major.width": 1.0, "xtick.minor.width": 0.8, "ytick.minor.width": 0.8,
+    "xtick.major.size": 4.800000000000001, "ytick.major.size": 4.800000000000001, "xtick.minor.size": 3.2,
+    "ytick.minor.size": 3.2, "font.size": 9.600000000000001, "axes.labelsize": 9.600000000000001,
+    "axes.titlesize": 9.600000000000001, "xtick.labelsize": 8.8, "ytick.labelsize": 8.8, "legend.fontsize": 8.8,
+    "legend.title_fontsize": 9.600000000000001,
+}
+# seaborn's "colorblind" palette (10 colours), then near-black: TRAIN_VARIANTS has 11 entries, and a wrap-around
+# gave fp32 (the 11th) baseline's blue in the stress figures.
+COLORBLIND = ["#0173b2", "#de8f05", "#029e73", "#d55e00", "#cc78bc", "#ca9161", "#fbafe4", "#949494", "#ece133",
+              "#56b4e9", "#1a1a1a"]
 
 
 @contextlib.contextmanager
 def style():
     """Matplotlib defaults + seaborn's whitegrid/paper look, whatever the user's matplotlibrc says."""
-    import seaborn as sns
-
     with mpl.rc_context():
         mpl.rcdefaults()  # the backend is not reset (matplotlib's style blacklist)
-        mpl.rcParams.update(sns.axes_style("whitegrid"))
-        mpl.rcParams.update(sns.plotting_context("paper"))
+        mpl.rcParams.update(_SEABORN_WHITEGRID_PAPER)
         mpl.rcParams.update({"svg.hashsalt": "roundalign", "figure.dpi": DPI, "savefig.dpi": DPI,
-                             "legend.frameon": False})
+                             "legend.frameon": False,
+                             # a fixed title height: the default (None) measures every top tick label of every
+                             # panel at each draw to lift the title above them, a third of a figure's draw time,
+                             # and no panel here has top ticks
+                             "axes.titley": 1.0})
         yield
 
 
 def save(fig: Figure, out_dir: str | Path, stem: str, formats) -> list[Path]:
     """Write ``<out_dir>/<stem>.<fmt>`` for each format (atomically) and return the paths."""
-    paths = []
+    # Spines out of the layout: the style draws no tick marks, so a spine reaches half its line width past its
+    # axes, yet measuring it makes matplotlib recompute the axis' ticks, four spines a panel and twice per layout
+    # (a fifth of the layout time of a 24-panel figure).
+    for ax in fig.axes:
+        for spine in ax.spines.values():
+            spine.set_in_layout(False)
+    # Lay out once and freeze: constrained layout is not idempotent (a second pass can move the axes by a fraction
+    # of a point), so without this the bytes of a format would depend on which formats were saved before it.
+    # Frozen with no layout engine at all (None, not "none"): savefig gives a figure with any engine, even
+    # "none"'s placeholder, an extra draw before the real one, so each format costs one draw.
     with style():
-        # Lay out once and freeze: constrained layout is not idempotent (a second pass can move the axes by
-        # a fraction of a point), so without this the bytes of a format would depend on which formats were
-        # saved before it. Every format now shares the one layout.
-        fig.draw_without_rendering()
-        fig.set_layout_engine("none")
+        engine = fig.get_layout_engine()
+        if engine is not None:
+            engine.execute(fig)  # what Figure.draw runs first, without the disabled draw of every artist after it
+        fig.set_layout_engine(None)
+    paths = []
     for fmt in formats:
         path = Path(out_dir) / f"{stem}.{fmt}"
         with style(), atomic_path(path) as tmp:
@@ -134,22 +204,22 @@ def variant_order(variants) -> list[str]:
     return [v for v in TRAIN_VARIANTS if v in present] + sorted(present - set(TRAIN_VARIANTS))
 
 
-def palette(variants) -> dict[str, tuple]:
+def palette(variants) -> dict[str, str]:
     """A fixed colour per variant (by its canonical position, so `full` has one colour in every figure)."""
-    import seaborn as sns
     from ..config import TRAIN_VARIANTS
 
-    colors = sns.color_palette("colorblind", 10)
     known = list(TRAIN_VARIANTS)
     extra = sorted(set(variants) - set(known))
-    return {v: colors[(known.index(v) if v in known else len(known) + extra.index(v)) % len(colors)]
+    return {v: COLORBLIND[(known.index(v) if v in known else len(known) + extra.index(v)) % len(COLORBLIND)]
             for v in variants}
 
 
-def variant_legend(fig: Figure, variants, extra_handles=()) -> None:
-    """One legend for the whole figure, outside the panels on the right."""
+def variant_legend(fig: Figure, variants, extra_handles=(), marker: str | None = None) -> None:
+    """One legend for the whole figure, outside the panels on the right (``marker``: marker handles, for
+    figures that draw points rather than lines)."""
     pal = palette(variants)
-    handles = [Line2D([], [], color=pal[v], lw=2, label=v) for v in variants] + list(extra_handles)
+    style = {"marker": marker, "ls": "none", "ms": 6} if marker else {"lw": 2}
+    handles = [Line2D([], [], color=pal[v], label=v, **style) for v in variants] + list(extra_handles)
     if handles:
         fig.legend(handles=handles, loc="outside right center", title="variant")
 
@@ -170,6 +240,46 @@ def suptitle(fig: Figure, title: str, table: pd.DataFrame, subtitle: str = "") -
 
 
 # ----------------------------------------------------------------------------------------- log axes
+
+_SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
+
+
+def plain_log_label(label: str) -> str:
+    """matplotlib's mathtext log label as plain text: '$\\mathdefault{6\\times10^{-2}}$' -> '6×10⁻²'."""
+    m = re.fullmatch(r"\$\\mathdefault\{(.*)\}\$", label)
+    if not m:
+        return label
+    body = m.group(1).replace("\\times", "×")
+    return re.sub(r"\^\{([^}]*)\}", lambda e: e.group(1).translate(_SUPERSCRIPT), body)
+
+
+class PlainLogFormatter(LogFormatterSciNotation):
+    """matplotlib's log tick labels (same values, same choice of labelled ticks) in plain text with Unicode
+    superscripts instead of mathtext: parsing and laying out mathtext was a sixth of the figures' draw time."""
+
+    def __call__(self, x, pos=None):
+        return plain_log_label(super().__call__(x, pos))
+
+
+class SparseMinorLogLocator(LogLocator):
+    """Minor ticks on a log axis only where they get labels: matplotlib's log formatter labels minor ticks only
+    when the view holds at most one power of 10 (``LogFormatter.set_locs``, minor_thresholds[0] = 1), the style
+    draws no tick marks and no minor grid, so elsewhere they would be invisible, yet each costs a Tick per draw."""
+
+    def __call__(self):
+        lo, hi = sorted(self.axis.get_view_interval())
+        if lo > 0 and math.floor(math.log10(hi)) - math.floor(math.nextafter(math.log10(lo), -math.inf)) > 1:
+            return []
+        return super().__call__()
+
+
+def set_log_y(ax) -> None:
+    """Log-scale y with ``PlainLogFormatter`` labels and ``SparseMinorLogLocator`` minor ticks."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(PlainLogFormatter(10))
+    ax.yaxis.set_minor_locator(SparseMinorLogLocator(10, None))
+    ax.yaxis.set_minor_formatter(PlainLogFormatter(10, labelOnlyBase=False))
+
 
 def zero_floor(values) -> float | None:
     """Where to draw exact zeros on a log axis: a decade below the smallest positive finite value (None
@@ -213,24 +323,63 @@ def mean_and_ci(df: pd.DataFrame, *, n_boot: int, seed: int, level: float = 95.0
     number of seeds share one (n_boot, num_seeds) index draw from ``default_rng(seed)``, so every step's
     interval is an ordinary bootstrap interval and reruns are identical.
     """
-    out = []
+    columns = ["step", "mean", "lo", "hi", "num_seeds"]
+    order = np.argsort(df["step"].to_numpy(), kind="stable")  # stable: a step's values keep the table's order
+    steps = df["step"].to_numpy()[order]
+    values = df["value"].to_numpy(dtype="float64")[order]
+    if not len(steps):
+        return pd.DataFrame(columns=columns)
+    uniq, start, counts = np.unique(steps, return_index=True, return_counts=True)
     rng = np.random.default_rng(seed)
-    by_step = {step: g["value"].to_numpy(dtype="float64") for step, g in df.groupby("step", sort=True)}
-    sizes = sorted({len(v) for v in by_step.values()})
-    draws = {n: rng.integers(0, n, size=(n_boot, n)) for n in sizes if n > 1}
+    sizes = sorted(set(counts.tolist()))
+    # each resample as counts of each draw: (n_boot, n); the resampled means are then one matrix product
+    weights = {}
     for n in sizes:
-        steps = [s for s, v in by_step.items() if len(v) == n]
-        vals = np.stack([by_step[s] for s in steps])  # (steps, n)
+        if n > 1:
+            draws = rng.integers(0, n, size=(n_boot, n))
+            w = np.zeros((n_boot, n))
+            np.add.at(w, (np.arange(n_boot)[:, None], draws), 1.0 / n)
+            weights[n] = w
+    out = []
+    for n in sizes:
+        which = np.flatnonzero(counts == n)
+        vals = values[start[which][:, None] + np.arange(n)]  # (steps, n)
         mean = vals.mean(axis=1)
         if n > 1:
-            boots = vals[:, draws[n]].mean(axis=2)  # (steps, n_boot)
+            boots = vals @ weights[n].T  # (steps, n_boot)
             lo, hi = np.percentile(boots, [(100 - level) / 2, 100 - (100 - level) / 2], axis=1)
         else:
-            lo = hi = np.full(len(steps), np.nan)
-        out.append(pd.DataFrame({"step": steps, "mean": mean, "lo": lo, "hi": hi, "num_seeds": n}))
-    if not out:
-        return pd.DataFrame(columns=["step", "mean", "lo", "hi", "num_seeds"])
+            lo = hi = np.full(len(which), np.nan)
+        out.append(pd.DataFrame({"step": uniq[which], "mean": mean, "lo": lo, "hi": hi, "num_seeds": n}))
     return pd.concat(out, ignore_index=True).sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def band(ax, x, lo, hi, *, step: str | None = None, gid: str | None = None, **kwargs) -> list:
+    """Shade between ``lo`` and ``hi`` over ``x`` (a confidence band), one polygon per run of finite values;
+    ``step="post"`` for a step function. What ``fill_between`` draws, but far cheaper to build (mpl 3.11's
+    fill_between took ~9 ms per band, a tenth of `make figures` for ~300 bands). Returns the patches."""
+    from matplotlib.patches import Polygon
+
+    x, lo, hi = (np.asarray(v, dtype="float64") for v in (x, lo, hi))
+    ok = np.isfinite(x) & np.isfinite(lo) & np.isfinite(hi)
+    patches = []
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], ok.astype(int), [0]])))
+    for start, stop in zip(edges[::2], edges[1::2]):
+        xs, l, h = x[start:stop], lo[start:stop], hi[start:stop]
+        if step == "post":  # each value holds until the next x
+            xs = np.repeat(xs, 2)[1:]
+            l, h = np.repeat(l, 2)[:-1], np.repeat(h, 2)[:-1]
+        if len(xs) < 2:
+            continue
+        xy = np.column_stack([np.concatenate([xs, xs[::-1]]), np.concatenate([l, h[::-1]])])
+        poly = Polygon(xy, closed=True, gid=gid, **kwargs)
+        # add_artist + update_datalim rather than add_patch: add_patch walks the outline as Bezier segments to
+        # find its extent, 9 ms for a 120-step band; the extent of a polygon is that of its vertices.
+        ax.add_artist(poly)
+        ax.update_datalim(xy)
+        ax._request_autoscale_view()
+        patches.append(poly)
+    return patches
 
 
 def metric_lines(ax, df: pd.DataFrame, variants: list[str], *, n_boot: int, seed: int) -> None:
@@ -243,7 +392,7 @@ def metric_lines(ax, df: pd.DataFrame, variants: list[str], *, n_boot: int, seed
         stats = mean_and_ci(d, n_boot=n_boot, seed=seed)
         ax.plot(stats["step"], stats["mean"], color=pal[variant], lw=1.5, label=variant, gid=f"mean:{variant}")
         if stats["num_seeds"].max() > 1:
-            ax.fill_between(stats["step"], stats["lo"], stats["hi"], color=pal[variant], alpha=0.2, lw=0,
+            band(ax, stats["step"], stats["lo"], stats["hi"], color=pal[variant], alpha=0.2, lw=0,
                             gid=f"ci:{variant}")
 
 
@@ -252,14 +401,25 @@ def runs_metric(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 
 def models_of(*tables: pd.DataFrame) -> list[str]:
-    return sorted(set().union(*(set(t["model"]) for t in tables if len(t))))
+    return sorted(set().union(*(set(t["model"].unique()) for t in tables if len(t))))
 
 
 # ------------------------------------------------------------------------------- metric vs step grids
 
+def seeds_subtitle(rows: pd.DataFrame) -> str:
+    """What the lines and bands of a per-step figure are, given its rows: with one seed per (model, variant) a
+    line is that run and there is no interval to draw, which the subtitle says rather than promise bands."""
+    if rows.empty:
+        return ""
+    per_line = rows.groupby(["model", "variant"])["seed"].nunique()
+    if per_line.max() <= 1:
+        return "one seed per variant: each line is a single run (no interval over seeds)"
+    text = "lines: mean over seeds; bands: 95% bootstrap CI over seeds"
+    return text + (" (none where a single seed)" if per_line.min() <= 1 else "")
+
+
 def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: str, log_y: bool, n_boot: int,
-                seed: int, hline: float | None = None,
-                subtitle: str = "lines: mean over seeds; bands: 95% bootstrap CI over seeds"):
+                seed: int, hline: float | None = None, subtitle: str | None = None):
     """Metric(s) vs optimizer step, hue = variant, mean over seeds with a bootstrap 95% CI band.
 
     One metric: one panel per model (wrapped) and a 1-D array of axes. Several metrics: one row per
@@ -271,7 +431,8 @@ def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: st
     names = [m for m, _ in metrics]
     models = models_of(runs)
     present = runs[runs["metric"].isin(names)]
-    variants = variant_order(present["variant"])
+    variants = variant_order(present["variant"].unique())
+    subtitle = seeds_subtitle(present) if subtitle is None else subtitle
     floors: dict[str, float | None] = {}
     if not models or present.empty:
         fig, axes = grid(1, 1)
@@ -281,8 +442,8 @@ def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: st
     if len(metrics) == 1:
         fig, flat = wrapped_grid(len(models))
         axes = flat[None, :]
-    else:
-        fig, axes = grid(len(metrics), len(models))
+    else:  # one step axis per column: tick labels and the x label on the bottom row only
+        fig, axes = grid(len(metrics), len(models), sharex="col")
     from matplotlib.ticker import MaxNLocator
 
     for i, (metric, ylabel) in enumerate(metrics):
@@ -299,12 +460,15 @@ def step_figure(runs: pd.DataFrame, metrics: list[tuple[str, str]], *, title: st
                 continue
             metric_lines(ax, d, variants, n_boot=n_boot, seed=seed)
             if log_y:
-                ax.set_yscale("log")  # display only: the mean and CI are of the values, not of their logs
+                set_log_y(ax)  # display only: the mean and CI are of the values, not of their logs
                 mark_floor(ax, floors[metric])
             if hline is not None:
                 ax.axhline(hline, color="0.3", lw=0.8, ls="--", zorder=0)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel(STEP_LABEL)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # ~5 step labels: enough to read
+            # integer steps print the same through a plain format, without ScalarFormatter's offset and
+            # precision search at every draw (~0.5 s a figure of 24 panels)
+            ax.xaxis.set_major_formatter(StrMethodFormatter("{x:.0f}"))
+            ax.set_xlabel(STEP_LABEL if i == len(metrics) - 1 else "")
             ax.set_ylabel(ylabel)
     suptitle(fig, title, runs, subtitle)
     return fig, (axes[0] if len(metrics) == 1 else axes), floors

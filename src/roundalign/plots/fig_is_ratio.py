@@ -29,5 +29,6 @@ def plot_is_ratio(runs: pd.DataFrame, *, n_boot: int = C.N_BOOT, seed: int = C.S
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    fig, _ = plot_is_ratio(C.load_table(aggregate_dir, "runs"))
+    tables = C.tables(aggregate_dir)
+    fig, _ = plot_is_ratio(tables["runs"])
     return C.save(fig, out_dir, STEM, C.check_formats(formats))

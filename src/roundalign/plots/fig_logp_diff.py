@@ -28,5 +28,6 @@ def plot_logp_diff(runs: pd.DataFrame, *, n_boot: int = C.N_BOOT, seed: int = C.
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    fig, _ = plot_logp_diff(C.load_table(aggregate_dir, "runs"))
+    tables = C.tables(aggregate_dir)
+    fig, _ = plot_logp_diff(tables["runs"])
     return C.save(fig, out_dir, STEM, C.check_formats(formats))

@@ -34,8 +34,12 @@ def _group_label(group: tuple[str, str], multi_engine: bool) -> str:
     return f"{group[0]}\n{group[1]}" if multi_engine else group[0]
 
 
-def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: bool) -> None:
-    """Grouped bars: x = (model, engine) group, one bar per variant."""
+def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: bool, counts=None) -> None:
+    """Grouped bars: x = (model, engine) group, one bar per variant. ``counts``: {(model, engine, variant): n}
+    makes each bar a fraction of n tokens with a 95% Wilson interval (gid "wilson"). On a linear axis an exact 0
+    is a short dash in the variant's colour on the axis (gid "zero_frac"), since a bar of height 0 is invisible."""
+    from .stress import wilson_interval
+
     pal = C.palette(variants)
     width = 0.8 / max(len(variants), 1)
     floor = C.zero_floor(rows["value"]) if log else None
@@ -52,17 +56,55 @@ def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: 
                         color="0.25")
             else:
                 ax.bar(x, value, width, color=pal[variant])
+                if not log and value == 0:
+                    ax.plot([x - width * 0.4, x + width * 0.4], [0.004, 0.004], color=pal[variant], lw=2.5,
+                            solid_capstyle="butt", gid="zero_frac", clip_on=False)
+            n = (counts or {}).get((*group, variant))
+            if n:
+                lo, hi = wilson_interval(round(value * n), int(n))
+                lo, hi = min(lo, value), max(hi, value)  # k / n re-rounded can sit a ulp outside its interval
+                ax.errorbar([x], [value], yerr=[[value - lo], [hi - value]], fmt="none", ecolor="0.2", elinewidth=0.8,
+                            capsize=1.5, gid="wilson")
     labels = [_group_label(g, multi_engine) for g in groups]
-    if multi_engine or len(groups) > 3:  # long or many labels: slant them so neighbours cannot collide
+    longest = max((len(line) for label in labels for line in label.split("\n")), default=0)
+    if multi_engine or len(groups) > 3 or longest * len(groups) > 50:  # slanted, so neighbours cannot collide
         ax.set_xticks(range(len(groups)), labels, rotation=30, ha="right", rotation_mode="anchor", fontsize=7)
     else:
         ax.set_xticks(range(len(groups)), labels)
     ax.set_xlim(-0.5, len(groups) - 0.5)
     ax.grid(False, axis="x")
     if log:
-        ax.set_yscale("log")
+        C.set_log_y(ax)
         if floor is not None:
             ax.set_ylim(floor / 3, ax.get_ylim()[1] * (30 if (rows["value"] > 0).sum() == 0 else 3))
+
+
+def _layer_lines(ax, d: pd.DataFrame, variants, pal) -> list[str]:
+    """One line per variant over the layers. A variant whose values equal an earlier variant's at every layer
+    is drawn dashed on top of it (gid "same:<variant>"), so both colours show, and named in a note (gid
+    "same_note"): drawn solid it would hide the earlier line completely (tiny-qwen3-untied, vllm-eager: swiglu
+    and baseline agree to the last bit, and baseline vanished). Returns the "<variant> = <earlier>" notes."""
+    drawn: dict[str, tuple] = {}
+    notes = []
+    for variant in variants:
+        v = d[d["variant"] == variant].sort_values("layer")
+        if v.empty:
+            continue
+        key = (tuple(v["layer"]), tuple(v["value"]))
+        twin = next((u for u, k in drawn.items() if k == key), None)
+        if twin is None:
+            ax.plot(v["layer"], v["value"], marker="o", ms=3.5, lw=1.5, color=pal[variant], label=variant,
+                    gid=f"layers:{variant}")
+        else:
+            ax.plot(v["layer"], v["value"], marker="o", ms=3.5, lw=1.5, ls=(0, (3, 3)), color=pal[variant],
+                    label=variant, gid=f"same:{variant}")
+            notes.append(f"{variant} = {twin}")
+        drawn[variant] = key
+    if notes:
+        # between the curves (near the top) and the zero floor (near the bottom), where the panels have room
+        ax.text(0.98, 0.5, "\n".join(notes) + " (every layer)", transform=ax.transAxes, ha="right", va="center",
+                fontsize=6.5, color="0.3", gid="same_note")
+    return notes
 
 
 def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
@@ -98,7 +140,14 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
         if exact.empty:
             C.no_data(ax_exact, "no data: token-level tokens_exact_frac\nnot in probe.csv")
         else:
-            _bars(ax_exact, exact, groups, variants, multi_engine, log=False)
+            n_tok = probe[(probe["level"] == "token") & (probe["metric"] == "num_tokens")]
+            counts = {(r.model, r.engine, r.variant): r.value for r in n_tok.itertuples(index=False)
+                      if np.isfinite(r.value) and r.value > 0}
+            _bars(ax_exact, exact, groups, variants, multi_engine, log=False, counts=counts)
+            if (exact["value"] == 0).all():
+                ax_exact.text(0.5, 0.5, "no token's log-prob is bitwise equal\n(every fraction is 0)",
+                              transform=ax_exact.transAxes, ha="center", va="center", fontsize=8, color="0.35",
+                              gid="all_zero")
             ax_exact.set_ylim(0, 1.05)
             ax_exact.set_ylabel("fraction of tokens with equal log p")
 
@@ -108,11 +157,8 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
             C.no_data(layer_axes[0], f"no data: {LAYER_METRIC}\nnot in probe_layers.csv")
         for ax, group in zip(layer_axes, layer_groups):
             d = C.apply_floor(layers[(layers["model"] == group[0]) & (layers["engine"] == group[1])], floor)
-            for variant in variants:
-                v = d[d["variant"] == variant].sort_values("layer")
-                if len(v):
-                    ax.plot(v["layer"], v["value"], marker="o", ms=3.5, lw=1.5, color=pal[variant], label=variant)
-            ax.set_yscale("log")
+            _layer_lines(ax, d, variants, pal)
+            C.set_log_y(ax)
             C.mark_floor(ax, floor)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_title(f"{group[0]} ({group[1]})" if multi_engine else group[0], fontsize=9)
@@ -127,5 +173,6 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    fig, _ = plot_probe(C.load_table(aggregate_dir, "probe"), C.load_table(aggregate_dir, "probe_layers"))
+    tables = C.tables(aggregate_dir)
+    fig, _ = plot_probe(tables["probe"], tables["probe_layers"])
     return C.save(fig, out_dir, STEM, C.check_formats(formats))

@@ -39,5 +39,6 @@ def plot_reward(runs: pd.DataFrame, run_status: pd.DataFrame | None = None, *, n
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    fig, _ = plot_reward(C.load_table(aggregate_dir, "runs"), C.load_table(aggregate_dir, "run_status"))
+    tables = C.tables(aggregate_dir)
+    fig, _ = plot_reward(tables["runs"], tables["run_status"])
     return C.save(fig, out_dir, STEM, C.check_formats(formats))

@@ -111,7 +111,8 @@ def to_markdown(table: pd.DataFrame) -> str:
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    table = summarize(C.load_table(aggregate_dir, "runs"), C.load_table(aggregate_dir, "run_status"))
+    tables = C.tables(aggregate_dir)
+    table = summarize(tables["runs"], tables["run_status"])
     csv_path, md_path = Path(out_dir) / f"{STEM}.csv", Path(out_dir) / f"{STEM}.md"
     atomic_write_csv(to_csv_frame(table), csv_path)
     atomic_write_text(md_path, to_markdown(table))
