@@ -137,9 +137,13 @@ def main(argv=None) -> int:
         lines += [f"# Snakemake dry-run wall time ({day}; median of {args.repeats}; goal paper <= 5 s)",
                   *dry_runs(args.repeats), ""]
     refs = [r for r in args.figures_refs.split(",") if r]
+    load_before = os.getloadavg()[1]
+    table = make_figures(refs, args.repeats)
+    # other jobs share the machine: their load (5-min average, runnable processes) says how far these times are
+    # from an idle machine's
     lines += [f"# make figures from a fresh clone (git archive of each ref; {day}; {args.repeats} runs each, in "
-              f"turns; {os.cpu_count()} CPUs, shared; goal <= 15 s)",
-              *make_figures(refs, args.repeats)]
+              f"turns; {os.cpu_count()} CPUs, shared: 5-min load average {load_before:.1f} before, "
+              f"{os.getloadavg()[1]:.1f} after; goal <= 15 s)", *table]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0
