@@ -157,6 +157,15 @@ def install_live_gemm_dispatch() -> None:
     U.dispatch_cpu_unquantized_gemm = dispatch
 
 
+def uninstall_live_gemm_dispatch() -> None:
+    """Put vLLM's own ``dispatch_cpu_unquantized_gemm`` back (engines built afterwards prepack again; tests)."""
+    from vllm.model_executor.layers import utils as U
+
+    fn = U.dispatch_cpu_unquantized_gemm
+    if getattr(fn, "_roundalign_live", False):
+        U.dispatch_cpu_unquantized_gemm = fn.__wrapped__
+
+
 def inprocess_model(llm):
     """The engine's model when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or TRL's colocated
     ``external_launcher``), else None. Path of vllm 0.31.0's V1 engine (vllm/v1/engine/llm_engine.py)."""

@@ -32,6 +32,14 @@ FAST = {"prompts_per_step": 2, "num_generations": 4, "per_device_batch_size": 8,
         "checkpoint_every": 2, "num_train_prompts": 64}
 
 
+@pytest.fixture(autouse=True)
+def _stock_gemm_after():
+    # run_train installs the live-weight GEMM dispatch for the rest of its process; later tests here build engines
+    # that must get vLLM's own dispatch
+    yield
+    vllm_cpu.uninstall_live_gemm_dispatch()
+
+
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
     # warm-started, so rewards vary within a group and the gradients are not zero
