@@ -56,20 +56,19 @@ def _files(root: Path) -> dict[str, int]:
             if p.is_file() and p.name != MARKER}
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for d in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """Every file, then every directory (so that their entries are on disk too)."""
+    paths = sorted(root.rglob("*"))
+    for p in [*(p for p in paths if p.is_file()), root, *(p for p in paths if p.is_dir())]:
+        _fsync(p)
 
 
 def mark_complete(ckpt: Path) -> dict:
@@ -81,12 +80,8 @@ def mark_complete(ckpt: Path) -> dict:
     marker = {"step": step_of(ckpt), "files": _files(ckpt), "fsync": fsync}
     atomic_write_json(ckpt / MARKER, marker)
     if fsync:
-        for path in (ckpt / MARKER, ckpt):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        _fsync(ckpt / MARKER)
+        _fsync(ckpt)
     return marker
 
 

@@ -326,23 +326,28 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
     return fig, axes
 
 
+def _cells(stress_runs: pd.DataFrame):
+    """(dose, variant, that cell's runs) for every non-empty cell, doses and variants in their drawing order."""
+    for dose in _doses(stress_runs):
+        for v in _variants(stress_runs):
+            g = stress_runs[(stress_runs["dose"] == dose) & (stress_runs["variant"] == v)]
+            if not g.empty:
+                yield dose, v, g
+
+
 def dose_stats(stress_runs: pd.DataFrame) -> pd.DataFrame:
     """Per (dose, variant): num_runs and, with 95% intervals (bootstrap over runs; Wilson for the fraction),
     the mean mismatch, the mean final reward and the fraction of runs with a collapse event."""
     rows = []
-    for dose in _doses(stress_runs):
-        for v in _variants(stress_runs):
-            g = stress_runs[(stress_runs["dose"] == dose) & (stress_runs["variant"] == v)]
-            if g.empty:
-                continue
-            m = boot_mean_ci(g["mismatch_token_logp_abs_diff_mean"])
-            r = boot_mean_ci(g["reward_last"])
-            k, n = int(g["event"].sum()), len(g)
-            lo, hi = wilson_interval(k, n)
-            rows.append({"dose": dose, "variant": v, "num_runs": n,
-                         "mismatch": m[0], "mismatch_lo": m[1], "mismatch_hi": m[2],
-                         "reward": r[0], "reward_lo": r[1], "reward_hi": r[2],
-                         "events": k / n, "events_lo": lo, "events_hi": hi})
+    for dose, v, g in _cells(stress_runs):
+        m = boot_mean_ci(g["mismatch_token_logp_abs_diff_mean"])
+        r = boot_mean_ci(g["reward_last"])
+        k, n = int(g["event"].sum()), len(g)
+        lo, hi = wilson_interval(k, n)
+        rows.append({"dose": dose, "variant": v, "num_runs": n,
+                     "mismatch": m[0], "mismatch_lo": m[1], "mismatch_hi": m[2],
+                     "reward": r[0], "reward_lo": r[1], "reward_hi": r[2],
+                     "events": k / n, "events_lo": lo, "events_hi": hi})
     return pd.DataFrame(rows)
 
 
@@ -478,31 +483,27 @@ def summary_table(stress_runs: pd.DataFrame, gap: pd.DataFrame) -> pd.DataFrame:
     has a gap to close) with its seed-bootstrap interval when one model has it (with several, each model's is
     in stress_gap.csv)."""
     rows = []
-    for dose in _doses(stress_runs):
-        for v in _variants(stress_runs):
-            g = stress_runs[(stress_runs["dose"] == dose) & (stress_runs["variant"] == v)]
-            if g.empty:
-                continue
-            kinds = pd.Series([k if isinstance(k, str) else "" for k in g["event_kind"]], dtype=object)
-            sh = gap[(gap["dose"] == dose) & (gap["variant"] == v)]
-            sh = sh[sh["has_gap"].astype(bool)] if "has_gap" in sh else sh
-            one = len(sh) == 1 and {"share_ci_low", "share_ci_high"} <= set(sh.columns)
-            rows.append({
-                "dose": dose, "variant": v, "runs": len(g), "events": int(g["event"].sum()),
-                "events_reward": int((kinds == "reward").sum()),
-                "events_grad_norm": int((kinds == "grad_norm").sum()),
-                "events_nonfinite": int((kinds == "nonfinite").sum()),
-                "reward_collapses_any": int(g["reward_collapse_step"].notna().sum()),
-                "event_step_median": float(g["event_step"].median()) if g["event"].any() else np.nan,
-                "logp_abs_diff_mean": g["mismatch_token_logp_abs_diff_mean"].mean(),
-                "k3_mean": g["mismatch_token_k3"].mean(),
-                "token_mult_prob_error": g["mismatch_token_token_mult_prob_error"].mean(),
-                "verl_violation_frac": g["verl_violation_frac"].mean(),
-                "reward_first": g["reward_first"].mean(), "reward_last": g["reward_last"].mean(),
-                "reward_last_sd": g["reward_last"].std(ddof=1) if len(g) > 1 else np.nan,
-                "share_closed": sh["share_closed"].mean() if len(sh) else np.nan,
-                "share_ci_low": float(sh["share_ci_low"].iloc[0]) if one else np.nan,
-                "share_ci_high": float(sh["share_ci_high"].iloc[0]) if one else np.nan})
+    for dose, v, g in _cells(stress_runs):
+        kinds = pd.Series([k if isinstance(k, str) else "" for k in g["event_kind"]], dtype=object)
+        sh = gap[(gap["dose"] == dose) & (gap["variant"] == v)]
+        sh = sh[sh["has_gap"].astype(bool)] if "has_gap" in sh else sh
+        one = len(sh) == 1 and {"share_ci_low", "share_ci_high"} <= set(sh.columns)
+        rows.append({
+            "dose": dose, "variant": v, "runs": len(g), "events": int(g["event"].sum()),
+            "events_reward": int((kinds == "reward").sum()),
+            "events_grad_norm": int((kinds == "grad_norm").sum()),
+            "events_nonfinite": int((kinds == "nonfinite").sum()),
+            "reward_collapses_any": int(g["reward_collapse_step"].notna().sum()),
+            "event_step_median": float(g["event_step"].median()) if g["event"].any() else np.nan,
+            "logp_abs_diff_mean": g["mismatch_token_logp_abs_diff_mean"].mean(),
+            "k3_mean": g["mismatch_token_k3"].mean(),
+            "token_mult_prob_error": g["mismatch_token_token_mult_prob_error"].mean(),
+            "verl_violation_frac": g["verl_violation_frac"].mean(),
+            "reward_first": g["reward_first"].mean(), "reward_last": g["reward_last"].mean(),
+            "reward_last_sd": g["reward_last"].std(ddof=1) if len(g) > 1 else np.nan,
+            "share_closed": sh["share_closed"].mean() if len(sh) else np.nan,
+            "share_ci_low": float(sh["share_ci_low"].iloc[0]) if one else np.nan,
+            "share_ci_high": float(sh["share_ci_high"].iloc[0]) if one else np.nan})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
