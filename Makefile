@@ -87,7 +87,7 @@ demo: $(STAMP)
 	$(BIN)/snakemake --cores 2 --config sweep=demo
 
 figures: $(STAMP)
-	$(BIN)/snakemake -s workflow/figures.smk --cores 1 --forceall
+	$(BIN)/snakemake -s workflow/figures.smk --cores all --forceall
 
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html

@@ -8,7 +8,7 @@ Dry runs: `python -m snakemake -n` for the smoke, paper and paper+ablations conf
 run of the paper sweep, three times each; the median wall time (process start included).
 
 `make figures`: for each git ref of --figures-refs, its committed tree (`git archive`: what a fresh clone
-holds, no .snakemake/ and no __pycache__/), then `snakemake -s workflow/figures.smk --cores 1 --forceall` in it
+holds, no .snakemake/ and no __pycache__/), then `snakemake -s workflow/figures.smk --cores all --forceall` in it
 (what `make figures` runs) --repeats times, with that tree's src/ first on PYTHONPATH so its own code draws.
 Reports the median and minimum wall time and the CPU time of the Snakemake process and its children (on a
 shared machine the CPU time moves less than the wall time), and checks that every rerun wrote the same bytes
@@ -87,7 +87,7 @@ def make_figures_once(tree: Path) -> tuple[float, float, dict[str, str]]:
     env = {**_env(), "PYTHONPATH": str(tree / "src")}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "snakemake", "-s", "workflow/figures.smk", "--cores", "1",
+    res = subprocess.run([sys.executable, "-m", "snakemake", "-s", "workflow/figures.smk", "--cores", "all",
                           "--forceall"], cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -337,3 +337,24 @@ def test_cli_plot_draws_several_sweeps_in_one_process_without_torch(agg_dir, tmp
             "'--out', 'y', '--stress']); import roundalign.plots, roundalign.plots.stress; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "False"
+
+
+def test_parallel_rebuild_writes_the_serial_bytes_and_paths(agg_dir, rendered, tmp_path, capsys):
+    # make figures shares the figures out among forked workers (one per core): each figure is still drawn by one
+    # process from the same tables, so the files and the returned order must be the serial run's
+    from roundalign.plots import make_sweeps
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    serial = make_sweeps([(agg_dir, tmp_path / "s")], formats=("png", "pdf"), log=lambda _: None)
+    paths = make_sweeps([(agg_dir, a), (agg_dir, b)], formats=("png", "pdf"), jobs=2, log=lambda _: None)
+    assert [p.name for p in paths] == [p.name for p in serial] * 2
+    assert [p.parent for p in paths] == [a] * len(serial) + [b] * len(serial)
+    for out in (a, b):
+        for path in sorted(rendered[0].iterdir()):
+            assert (out / path.name).read_bytes() == path.read_bytes(), (out, path.name)
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        make_sweeps([(agg_dir, a)], jobs=0)
+    assert main(["plot", "--aggregate", str(agg_dir), "--out", str(tmp_path / "c"), "--jobs", "2",
+                 "--figures", "fig_k3,summary", "--formats", "png"]) == 0
+    assert (tmp_path / "c" / "fig_k3.png").read_bytes() == (rendered[0] / "fig_k3.png").read_bytes()
+    assert "(2 processes)" in capsys.readouterr().out

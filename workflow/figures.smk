@@ -6,7 +6,8 @@ missing table is a clear MissingInputException instead of a retraining.
 Every sweep with a committed results/<sweep>/aggregate/runs.csv is plotted into figures/<sweep>/, and one with
 results/<sweep>/aggregate/stress_runs.csv also gets the stress figures. One job draws them all, in one process:
 the plotting imports are paid once and each table is read once, so adding a sweep adds only its figures' time
-(a process per sweep and kind cost ~4 s each on 2 cores, most of `make figures`).
+(a process per sweep and kind cost ~4 s each on 2 cores, most of `make figures`), and the figures are shared
+out among forked workers, one per core given (`--cores`; the same bytes as one process).
 """
 
 from pathlib import Path
@@ -56,6 +57,7 @@ rule all_figures:
     log:
         "logs/figures.log",
     localrule: True
+    threads: workflow.cores
     conda:
         # CONDA_ENV is relative to workflow/rules/, where the other figure rules live
         "../environment.yml"
@@ -63,4 +65,4 @@ rule all_figures:
         aggregates=" ".join(f"results/{s}/aggregate" for s in SWEEPS),
         outs=" ".join(f"figures/{s}" for s in SWEEPS),
     shell:
-        "python -m roundalign plot --aggregate {params.aggregates} --out {params.outs} --stress > {log} 2>&1"
+        "python -m roundalign plot --aggregate {params.aggregates} --out {params.outs} --stress --jobs {threads} > {log} 2>&1"

@@ -57,6 +57,8 @@ def _add_figure_verbs(sub) -> None:
     pl.add_argument("--stress", action="store_true",
                     help="also the stress figures (as plot-stress) of each aggregate directory holding "
                          "stress_runs.csv")
+    pl.add_argument("--jobs", type=int, default=1,
+                    help="worker processes drawing the figures (forked, same bytes as one process; default 1)")
 
 
 # Verbs that only read tables and draw. They get a parser of their own: make_parser() names the choices of every
@@ -288,7 +290,8 @@ def run_plot(args) -> None:
     if len(args.aggregate) != len(args.out):
         raise ValueError(f"{len(args.aggregate)} --aggregate directories but {len(args.out)} --out directories: "
                          "give one output directory per aggregate directory")
-    make_sweeps(list(zip(args.aggregate, args.out)), formats=args.formats, figures=args.figures, stress=args.stress)
+    make_sweeps(list(zip(args.aggregate, args.out)), formats=args.formats, figures=args.figures, stress=args.stress,
+                jobs=args.jobs)
 
 
 VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_cli,

@@ -89,6 +89,13 @@ class Tables:
                 self._cache[name] = pd.read_csv(path)
         return self._cache[name]
 
+    def preload(self, extra=()) -> None:
+        """Read now every general table this directory holds, and those of ``extra`` that it holds (the parallel
+        figure rebuild reads in the parent, so that forked workers inherit the tables instead of each reading)."""
+        for name in [*_TABLES, *extra]:
+            if self.has(name):
+                self[name]
+
     def has(self, name: str) -> bool:
         return name in self._cache or (self.dir / f"{name}.csv").is_file()
 

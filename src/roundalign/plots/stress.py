@@ -33,6 +33,7 @@ from ..stress import _Z95, _frozen
 from . import _common as C
 
 STEMS = ("stress_survival", "stress_mismatch", "stress_reward", "stress_dose", "stress_gap")
+TABLES = ("stress_runs", "stress_survival", "stress_gap")  # what the figures read besides runs.csv
 NUM_RESAMPLES = 1000  # bootstrap resamples of the intervals over runs drawn here
 SEED = 0
 WINDOW_STEPS = 10  # per-step figures: each run's mean over consecutive windows of this many steps
@@ -518,9 +519,14 @@ def _summary_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make(aggregate_dir, out_dir, formats=("png", "pdf")) -> list[Path]:
-    """Every stress figure and the summary table; ``aggregate_dir`` is a directory or a ``_common.Tables``."""
+def make(aggregate_dir, out_dir, formats=("png", "pdf"), stems=None, summary=True) -> list[Path]:
+    """Every stress figure (or those of ``stems``) and, with ``summary``, the summary table; ``aggregate_dir`` is a
+    directory or a ``_common.Tables``."""
     formats = C.check_formats(formats)
+    stems = list(STEMS) if stems is None else list(stems)
+    unknown = [s for s in stems if s not in STEMS]
+    if unknown:
+        raise ValueError(f"unknown stress figure(s) {', '.join(unknown)}; choose from {', '.join(STEMS)}")
     tables = C.tables(aggregate_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -536,8 +542,10 @@ def make(aggregate_dir, out_dir, formats=("png", "pdf")) -> list[Path]:
         "stress_gap": lambda: plot_gap(gap, stress_runs)[0],
     }
     paths = []
-    for stem in STEMS:
+    for stem in stems:
         paths += C.save(figs[stem](), out_dir, stem, formats)
+    if not summary:
+        return paths
     table = summary_table(stress_runs, gap)
     atomic_write_csv(_frozen(table), out_dir / "stress_summary.csv")
     atomic_write_text(out_dir / "stress_summary.md", _summary_markdown(table))
