@@ -2,15 +2,16 @@
 
 Cells of the committed sweeps are rerun from scratch through Snakemake (model build, warm start, training) in a
 copy of the workflow, with their committed configs unchanged, and must give the committed metrics exactly
-(wall-clock fields aside): one smoke cell per architecture (``results/smoke/runs``). A change to what the pipeline
-computes fails here until the committed results are regenerated.
-
-Not yet covered: the stress sweep (``results/stress``). Its committed tables predate later engine changes (a rerun
-of one cell differs from step 1), and regenerating its 135 runs takes about 70 minutes of both cores; until that is
-done and committed, a stress cell here would fail by construction (tracker: "Committed results that reproduce").
+(wall-clock fields aside): one smoke cell per architecture, against its committed ``metrics.jsonl``
+(``results/smoke/runs``), and one cell of the stress sweep (its 140-step warm start, then 120 GRPO steps against
+the emulated engine with every kernel difference and an fp8 KV cache), against the committed per-step table the
+stress figures draw (``results/stress/aggregate/runs.csv``: the sweep's ``aggregate_metrics``; the stress sweep
+commits each run's ``run.json`` but not its 330 KB ``metrics.jsonl``). A change to what the pipeline computes
+fails here until the committed results are regenerated.
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,12 +21,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from roundalign.plots._common import load_table
 from roundalign.train import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
-SMOKE = [("tiny-qwen25-tied", "full"), ("tiny-qwen3-untied", "baseline")]  # qwen2 and qwen3, tied and untied
+# (sweep, model, variant, seed): qwen2 and qwen3, tied and untied; a dosed stress cell with a remedy and seed > 0
+CELLS = [("smoke", "tiny-qwen25-tied", "full", 0), ("smoke", "tiny-qwen3-untied", "baseline", 0),
+         ("stress", "stress-qwen3-untied-fp8e4m3", "full", 1)]
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -40,20 +44,45 @@ def rerun(tmp_path_factory):
         shutil.copy(ROOT / name, wf / name)
     for name in ("workflow", "configs"):
         shutil.copytree(ROOT / name, wf / name)
-    smoke = [f"results/smoke/runs/{m}/{v}/seed0/metrics.jsonl" for m, v in SMOKE]
-    res = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "configs/smoke.yaml",
-                          "--", *smoke], cwd=wf, env=ENV, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for sweep in sorted({c[0] for c in CELLS}):  # one Snakemake run per sweep config, its cells in parallel
+        targets = [f"results/{sw}/runs/{m}/{v}/seed{sd}/metrics.jsonl" for sw, m, v, sd in CELLS if sw == sweep]
+        res = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile",
+                              f"configs/{sweep}.yaml", "--", *targets], cwd=wf, env=ENV, capture_output=True,
+                             text=True, timeout=900)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return wf
 
 
-@pytest.mark.parametrize("model,variant", SMOKE)
-def test_a_smoke_cell_rerun_from_scratch_equals_the_committed_run(rerun, model, variant):
-    rel = f"results/smoke/runs/{model}/{variant}/seed0"
-    got, want = _metrics(rerun / rel / "metrics.jsonl"), _metrics(ROOT / rel / "metrics.jsonl")
-    assert len(got) == len(want) == yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())["train"]["steps"]
+def _committed_steps(sweep: str, model: str, variant: str, seed: int) -> tuple[list[dict], list[str]]:
+    """The committed per-step metrics of one run: its metrics.jsonl where committed, else its rows of the
+    aggregate runs.csv (then only the sweep's aggregate_metrics); and the metric keys to compare."""
+    rel = ROOT / f"results/{sweep}/runs/{model}/{variant}/seed{seed}"
+    if (rel / "metrics.jsonl").is_file():
+        want = _metrics(rel / "metrics.jsonl")
+        return want, sorted({k for w in want for k in w})
+    runs = load_table(ROOT / f"results/{sweep}/aggregate", "runs")
+    rows = runs[(runs.model == model) & (runs.variant == variant) & (runs.seed == seed)]
+    assert len(rows), f"no committed rows for {model}/{variant}/seed{seed} in results/{sweep}/aggregate/runs.csv"
+    wide = rows.pivot(index="step", columns="metric", values="value").sort_index()
+    return [{"step": int(st), **r.to_dict()} for st, r in wide.iterrows()], ["step", *wide.columns]
+
+
+def _same(a, b) -> bool:
+    """Equal, NaN equal to NaN, and a JSON null (kept as NaN by the aggregate) equal to NaN."""
+    def nan(x):
+        return x is None or (isinstance(x, float) and math.isnan(x))
+    return a == b or (nan(a) and nan(b))
+
+
+@pytest.mark.parametrize("sweep,model,variant,seed", CELLS)
+def test_a_committed_cell_rerun_from_scratch_equals_the_committed_run(rerun, sweep, model, variant, seed):
+    rel = f"results/{sweep}/runs/{model}/{variant}/seed{seed}"
+    got = _metrics(rerun / rel / "metrics.jsonl")
+    want, keys = _committed_steps(sweep, model, variant, seed)
+    assert len(got) == len(want) == yaml.safe_load((ROOT / f"configs/{sweep}.yaml").read_text())["train"]["steps"]
     for step, (g, w) in enumerate(zip(got, want), start=1):
-        assert g == w, (step, {k: (w.get(k), g.get(k)) for k in set(g) | set(w) if g.get(k) != w.get(k)})
+        diff = {k: (w.get(k), g.get(k)) for k in keys if not _same(w.get(k), g.get(k))}
+        assert not diff, (step, diff)
     committed = json.loads((ROOT / rel / "run.json").read_text())
     assert not committed["git_sha"].endswith("+dirty"), "committed results must come from committed code"
     assert committed["config"] == json.loads((rerun / rel / "run.json").read_text())["config"]
