@@ -8,9 +8,9 @@ Dry runs: `python -m snakemake -n` for the smoke, paper and paper+ablations conf
 run of the paper sweep, three times each; the median wall time (process start included).
 
 `make figures`: for each git ref of --figures-refs, its committed tree (`git archive`: what a fresh clone
-holds, no .snakemake/ and no __pycache__/), then `snakemake -s workflow/figures.smk --cores all --forceall` in it
-(what `make figures` runs) --repeats times, with that tree's src/ first on PYTHONPATH so its own code draws.
-Reports the median and minimum wall time and the CPU time of the Snakemake process and its children (on a
+holds, no .snakemake/ and no __pycache__/), then its own `make figures` in it
+(with this interpreter's environment) --repeats times, with that tree's src/ first on PYTHONPATH so its own code draws.
+Reports the median and minimum wall time and the CPU time of make and its children (on a
 shared machine the CPU time moves less than the wall time), and checks that every rerun wrote the same bytes
 (sha256 of each PNG, PDF, CSV and MD under figures/) and whether they equal the ref's committed figures. The
 refs are run in turns (ref 1, ref 2, ref 1, ...) so that load from other jobs falls on all of them alike.
@@ -83,12 +83,13 @@ def fresh_tree(ref: str, dest: Path) -> str:
 
 
 def make_figures_once(tree: Path) -> tuple[float, float, dict[str, str]]:
-    """One `make figures` in ``tree``: (wall s, CPU s of Snakemake and its children, sha256 per figure file)."""
+    """One `make figures` in ``tree``: (wall s, CPU s of make and its children, sha256 per figure file)."""
     env = {**_env(), "PYTHONPATH": str(tree / "src")}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "snakemake", "-s", "workflow/figures.smk", "--cores", "all",
-                          "--forceall"], cwd=tree, env=env, capture_output=True, text=True)
+    # the tree's own `make figures` recipe with this interpreter's environment (STAMP= skips the install check)
+    res = subprocess.run(["make", "figures", f"VENV={Path(sys.executable).parent.parent}", "STAMP="], cwd=tree,
+                         env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if res.returncode != 0:

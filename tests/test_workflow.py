@@ -188,6 +188,17 @@ def test_figures_rebuild_from_committed_tables_byte_identically(wf_with_results)
     assert rebuilt.keys() == committed.keys()
     assert [p for p in committed if rebuilt[p] != committed[p]] == []
     assert not (wf / "work").exists()  # nothing was trained or built
+    # `make figures` (the same command with a forked worker per core, no Snakemake) writes the same bytes
+    shutil.copy(ROOT / "Makefile", wf / "Makefile")
+    for p in committed:
+        (wf / p).unlink()
+    res = subprocess.run(["make", "figures", f"VENV={BIN.parent}", "STAMP=", "NPROC=2"], cwd=wf, env=ENV,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(2 processes)" in res.stdout
+    rebuilt = {p.relative_to(wf): p.read_bytes() for p in (wf / "figures").rglob("*") if p.is_file()}
+    assert rebuilt.keys() == committed.keys()
+    assert [p for p in committed if rebuilt[p] != committed[p]] == []
 
 
 def test_figures_entry_point_is_one_job_whatever_the_number_of_sweeps(wf_with_results):
