@@ -151,30 +151,29 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
         agg.preload(stress_plots.TABLES if stress else ())
         out_dir.mkdir(parents=True, exist_ok=True)
     tasks = _tasks(pairs, figures, stress)
+    procs = min(jobs, len(tasks))
     _POOL.update(pairs=pairs, formats=formats)
     t0 = time.perf_counter()
     done: dict = {}
+    pool = None
     try:
-        if jobs == 1 or len(tasks) < 2:
-            results = map(_run_task, tasks)
-        else:
+        if procs > 1:
             import multiprocessing
 
-            pool = multiprocessing.get_context("fork").Pool(min(jobs, len(tasks)))
-            order = sorted(tasks, key=lambda t: -_COST.get(t[2], 1.0))
-            results = pool.imap_unordered(_run_task, order, chunksize=1)
+            pool = multiprocessing.get_context("fork").Pool(procs)
+            results = pool.imap_unordered(_run_task, sorted(tasks, key=lambda t: -_COST.get(t[2], 1.0)), chunksize=1)
+        else:
+            results = map(_run_task, tasks)
         for task, written, dt in results:
             done[task] = written
             log(f"[plot] {pairs[task[0]][1]}/{task[2]}: {', '.join(p.name for p in written)} ({dt:.1f}s)")
-        if jobs > 1 and len(tasks) >= 2:
-            pool.close()
-            pool.join()
     finally:
-        if jobs > 1 and len(tasks) >= 2:
-            pool.terminate()
+        if pool is not None:
+            pool.terminate()  # every task has returned (or one raised): nothing is left to wait for
         _POOL.clear()
     paths = [p for task in tasks for p in done[task]]
-    log(f"[plot] wrote {len(paths)} files in {time.perf_counter() - t0:.1f}s ({jobs} process{'es' if jobs > 1 else ''})")
+    log(f"[plot] wrote {len(paths)} files in {time.perf_counter() - t0:.1f}s "
+        f"({procs} process{'es' if procs > 1 else ''})")
     return paths
 
 
