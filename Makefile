@@ -89,7 +89,8 @@ demo: $(STAMP)
 # every sweep with a committed results/<sweep>/aggregate/runs.csv, into figures/<sweep>/, in one process with a
 # forked worker per core (what workflow/figures.smk runs too; without Snakemake's own start-up, ~3 s of ~20)
 FIG_AGG := $(patsubst %/runs.csv,%,$(sort $(wildcard results/*/aggregate/runs.csv)))
-NPROC   := $(shell nproc 2>/dev/null || echo 1)
+# (nproc alone would answer OMP_NUM_THREADS, which this Makefile sets to 1)
+NPROC   := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 figures: $(STAMP)
 	@test -n "$(FIG_AGG)" || { echo "make figures: no results/<sweep>/aggregate/runs.csv: nothing to plot (run a sweep first)" >&2; exit 2; }
 	$(BIN)/python -m roundalign plot --aggregate $(FIG_AGG) --out $(patsubst results/%/aggregate,figures/%,$(FIG_AGG)) --stress --jobs $(NPROC)
