@@ -1,7 +1,7 @@
 """Figures from the committed aggregate tables only: no training, probe or model rule is included, so a
 missing table is a clear MissingInputException instead of a retraining.
 
-    snakemake -s workflow/figures.smk --cores 1        # (make figures)
+    snakemake -s workflow/figures.smk --cores all      # (make figures runs its command directly)
 
 Every sweep with a committed results/<sweep>/aggregate/runs.csv is plotted into figures/<sweep>/, and one with
 results/<sweep>/aggregate/stress_runs.csv also gets the stress figures. One job draws them all, in one process:
@@ -57,10 +57,10 @@ rule all_figures:
     log:
         "logs/figures.log",
     localrule: True
-    threads: workflow.cores
     conda:
         # CONDA_ENV is relative to workflow/rules/, where the other figure rules live
         "../environment.yml"
+    threads: workflow.cores
     params:
         aggregates=" ".join(f"results/{s}/aggregate" for s in SWEEPS),
         outs=" ".join(f"figures/{s}" for s in SWEEPS),
