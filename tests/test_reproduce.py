@@ -40,18 +40,32 @@ def _metrics(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rerun(tmp_path_factory):
-    wf = tmp_path_factory.mktemp("wf")
-    for name in ("Snakefile", "environment.yml"):
-        shutil.copy(ROOT / name, wf / name)
-    for name in ("workflow", "configs"):
-        shutil.copytree(ROOT / name, wf / name)
-    for sweep in sorted({c[0] for c in CELLS}):  # one Snakemake run per sweep config, its cells in parallel
+    """{sweep: a fresh copy of the workflow in which that sweep's cells were rerun}."""
+    base = tmp_path_factory.mktemp("wf")
+    # One Snakemake run per sweep config, each in its own copy, at the same time, a core each: the stress cell is
+    # one chain (model, warm start, training) that keeps one core busy longer than the two smoke cells take.
+    procs, dirs = {}, {}
+    for sweep in sorted({c[0] for c in CELLS}):
+        wf = dirs[sweep] = base / sweep
+        wf.mkdir()
+        for name in ("Snakefile", "environment.yml"):
+            shutil.copy(ROOT / name, wf / name)
+        for name in ("workflow", "configs"):
+            shutil.copytree(ROOT / name, wf / name)
         targets = [f"results/{sw}/runs/{m}/{v}/seed{sd}/metrics.jsonl" for sw, m, v, sd in CELLS if sw == sweep]
-        res = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile",
-                              f"configs/{sweep}.yaml", "--", *targets], cwd=wf, env=ENV, capture_output=True,
-                             text=True, timeout=900)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return wf
+        with open(wf / f"{sweep}.out", "w") as out:  # the child keeps its own copy of the descriptor
+            procs[sweep] = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", "--configfile",
+                                             f"configs/{sweep}.yaml", "--", *targets], cwd=wf, env=ENV,
+                                            stdout=out, stderr=subprocess.STDOUT)
+    for sweep, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=1200)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        assert rc == 0, (sweep, (dirs[sweep] / f"{sweep}.out").read_text()[-4000:])
+    return dirs
 
 
 def _committed_steps(sweep: str, model: str, variant: str, seed: int) -> tuple[list[dict], list[str]]:
@@ -78,7 +92,7 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("sweep,model,variant,seed", CELLS)
 def test_a_committed_cell_rerun_from_scratch_equals_the_committed_run(rerun, sweep, model, variant, seed):
     rel = f"results/{sweep}/runs/{model}/{variant}/seed{seed}"
-    got = _metrics(rerun / rel / "metrics.jsonl")
+    got = _metrics(rerun[sweep] / rel / "metrics.jsonl")
     want, keys = _committed_steps(sweep, model, variant, seed)
     assert len(got) == len(want) == yaml.safe_load((ROOT / f"configs/{sweep}.yaml").read_text())["train"]["steps"]
     for step, (g, w) in enumerate(zip(got, want), start=1):
@@ -86,7 +100,7 @@ def test_a_committed_cell_rerun_from_scratch_equals_the_committed_run(rerun, swe
         assert not diff, (step, diff)
     if (ROOT / rel / "run.json").is_file():
         committed = json.loads((ROOT / rel / "run.json").read_text())
-        assert committed["config"] == json.loads((rerun / rel / "run.json").read_text())["config"]
+        assert committed["config"] == json.loads((rerun[sweep] / rel / "run.json").read_text())["config"]
     else:  # the stress sweep: each run's provenance is its row of run_status.csv
         status = load_table(ROOT / f"results/{sweep}/aggregate", "run_status")
         (committed,) = status[(status.model == model) & (status.variant == variant) & (status.seed == seed)] \
