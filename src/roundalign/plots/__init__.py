@@ -74,22 +74,7 @@ def make_all(aggregate_dir, out_dir: str | Path, formats=("png", "pdf"), figures
     """Make every figure (or the stems in ``figures``) into ``out_dir``; returns the written paths.
     ``aggregate_dir`` is a directory or a ``_common.Tables`` (tables already read are not read again).
     Raises FileNotFoundError when ``aggregate_dir`` is missing and ValueError on an unknown format or stem."""
-    formats = check_formats(formats)
-    figures = list(FIGURES) if figures is None else list(figures)
-    unknown = [f for f in figures if f not in FIGURES]
-    if unknown:
-        raise ValueError(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
-    agg = tables(aggregate_dir)
-    agg["runs"]  # fail before any output when the aggregate is missing
-    t0 = time.perf_counter()
-    paths: list[Path] = []
-    for stem in figures:
-        t = time.perf_counter()
-        written = FIGURES[stem].make(agg, out_dir, formats)
-        paths.extend(written)
-        log(f"[plot] {stem}: {', '.join(p.name for p in written)} ({time.perf_counter() - t:.1f}s)")
-    log(f"[plot] wrote {len(paths)} files to {out_dir} in {time.perf_counter() - t0:.1f}s")
-    return paths
+    return make_sweeps([(aggregate_dir, out_dir)], formats, figures, log=log)
 
 
 # Rough relative cost of each figure (seconds on one core of the 2-core dev machine, committed sweeps): the
