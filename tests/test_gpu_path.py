@@ -1,6 +1,7 @@
 """GPU-path wiring checked on CPU: ZeRO-3 load order, the sweep's vllm_mode rule, the emulated engine under
 a device context."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -91,4 +92,25 @@ def test_vllm_cpu_sweep_trains_and_probes_on_cpu_with_the_second_environment():
     cfg = _vllm_cpu()
     cfg["models"]["cpu-qwen3-tied"]["gpus"] = 1
     with pytest.raises(ConfigError, match=r"models\.cpu-qwen3-tied\.gpus=1: engine 'vllm-cpu-compiled' is vLLM's CPU"):
+        Sweep(cfg)
+
+
+def test_cpu_models_can_run_several_data_parallel_processes_under_accelerate_launch():
+    cfg = _vllm_cpu()
+    cfg["models"]["cpu-qwen3-untied"].update(processes=2, accelerate_config="configs/accelerate/cpu.yaml")
+    sweep = Sweep(cfg)
+    assert sweep.launcher("cpu-qwen3-untied") == (".venv-vllm/bin/python -m accelerate.commands.launch "
+                                                  "--config_file configs/accelerate/cpu.yaml --num_processes 2")
+    assert sweep.train_resources("cpu-qwen3-untied")["threads"] == 2  # a core per rank
+    assert sweep.train_resources("cpu-qwen3-tied")["threads"] == 1 and sweep.launcher("cpu-qwen3-tied") == sweep.python
+    assert yaml.safe_load((ROOT / "configs/accelerate/cpu.yaml").read_text())["distributed_type"] == "MULTI_GPU"  # torchrun
+    cfg = _vllm_cpu()
+    cfg["models"]["cpu-qwen3-untied"]["processes"] = 2
+    with pytest.raises(ConfigError, match=r"models\.cpu-qwen3-untied\.accelerate_config: 2 CPU processes need an "
+                                          r"accelerate launch config, e\.g\. configs/accelerate/cpu\.yaml"):
+        Sweep(cfg)
+    cfg = _paper()
+    name = next(m for m, spec in cfg["models"].items() if spec["gpus"] > 0)
+    cfg["models"][name]["processes"] = 2
+    with pytest.raises(ConfigError, match=rf"models\.{re.escape(name)}\.processes=2: CPU processes are for gpus: 0"):
         Sweep(cfg)

@@ -103,6 +103,13 @@ class Sweep:
         if spec["gpus"] > 1 and not spec.get("accelerate_config"):
             raise ConfigError(f"{where}.accelerate_config: {spec['gpus']} GPUs need an accelerate launch config, "
                               "e.g. configs/accelerate/zero3.yaml")
+        processes = spec.get("processes", 1)
+        if processes > 1 and spec["gpus"] > 0:
+            raise ConfigError(f"{where}.processes={processes}: CPU processes are for gpus: 0 models; a GPU model runs "
+                              f"one process per GPU (gpus={spec['gpus']})")
+        if processes > 1 and not spec.get("accelerate_config"):
+            raise ConfigError(f"{where}.accelerate_config: {processes} CPU processes need an accelerate launch config, "
+                              "e.g. configs/accelerate/cpu.yaml")
         if self.config.get("probe", {}).get("backend") == "vllm" and spec["gpus"] < 1 and not self._probe_on_cpu():
             raise ConfigError(f"{where}.gpus={spec['gpus']}: probe.backend 'vllm' runs each probe on one GPU; give "
                               "the model gpus >= 1 or use probe.backend emulated")
@@ -202,13 +209,14 @@ class Sweep:
 
     def launcher(self, model: str) -> str:
         """What runs ``-m roundalign``: the sweep's ``python`` (default ``python`` from PATH: the active environment,
-        as every shell rule), or ``accelerate launch`` for several GPUs (from that environment)."""
+        as every shell rule), or ``accelerate launch`` for several GPUs or CPU ``processes`` (from that environment)."""
         spec = self.models[model]
         python = self.config.get("python", "python")
-        if spec["gpus"] > 1:
+        ranks = spec["gpus"] or spec.get("processes", 1)
+        if ranks > 1:
             accelerate = "accelerate launch" if python == "python" else f"{shlex.quote(python)} -m accelerate.commands.launch"
             return (f"{accelerate} --config_file {shlex.quote(spec['accelerate_config'])} "
-                    f"--num_processes {spec['gpus']}")
+                    f"--num_processes {ranks}")
         return shlex.quote(python)
 
     # -- resources --------------------------------------------------------------------------------
@@ -231,4 +239,5 @@ class Sweep:
         spec = self.models[model]
         return {"gpu": spec["gpus"], "gpu_model": spec.get("gpu_model") or "",
                 "cpus_per_gpu": spec["cpus_per_gpu"] if spec["gpus"] else 0,
+                "threads": 1 if spec["gpus"] else spec.get("processes", 1),  # a CPU job's cores: one per rank
                 "mem_mb": spec["mem_mb"], "runtime": spec["runtime_min"] * attempt}

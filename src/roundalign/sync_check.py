@@ -38,6 +38,10 @@ class SyncProbe(TrainerCallback):
         self.before: list[torch.Tensor] = []
         self.after: list[torch.Tensor] = []
         self.steps: list[Path] = []
+        self.log_history: list[dict] = []  # what this rank logged (Trainer's logs: the ranks' gathered metrics)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.log_history.append(dict(logs or {}))
 
     def on_step_end(self, args, state, control, **kw):
         from .trl_bridge import master_state_dict
@@ -48,8 +52,11 @@ class SyncProbe(TrainerCallback):
         self.after.append(teacher_forced(gen.llm, self.seqs))
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         path = self.out / f"step{state.global_step}"
-        model.save_pretrained(path, state_dict={k: v.to(self.dtype) for k, v in master_state_dict(self.trainer).items()})
-        self.trainer.processing_class.save_pretrained(path)
+        masters = master_state_dict(self.trainer)  # a collective under DeepSpeed: every rank calls it
+        if self.trainer.accelerator.is_main_process:  # DDP: every rank holds the same masters; rank 0 saves them
+            model.save_pretrained(path, state_dict={k: v.to(self.dtype) for k, v in masters.items()})
+            self.trainer.processing_class.save_pretrained(path)
+        self.trainer.accelerator.wait_for_everyone()
         self.steps.append(path)
 
 
@@ -103,3 +110,59 @@ def train_with_sync_probe(cfg, out: str | Path, seqs: list[list[int]], log=print
         probe.trainer = None
         gc.collect()
     return res, probe
+
+
+def main(argv=None) -> int:
+    """Under ``accelerate launch`` (several ranks, one colocated engine each): ``run_train`` with a
+    :class:`SyncProbe` on every rank, then each rank writes what its own engine gave, ``<out>/rank<R>.pt``: the
+    logprobs before and after each sync, the steps' saved masters (rank 0 writes them; DDP keeps the ranks'
+    masters equal) and the metrics the rank logged. No fresh engine is built here (a process that trained holds
+    its distributed state and its engine's memory): :func:`compare_ranks` does that afterwards, in one process.
+
+        accelerate launch --config_file configs/accelerate/cpu.yaml --num_processes 2 -m roundalign.sync_check \
+            --out OUT --set model=M --set backend=vllm --set engine=vllm-cpu-eager --set steps=3 ...
+    """
+    import argparse
+    import os
+
+    from .config import build_config, parse_set
+
+    ap = argparse.ArgumentParser(prog="python -m roundalign.sync_check", description=main.__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--seq-lens", default="7,23,40", help="lengths of the fixed token sequences scored (default %(default)s)")
+    args = ap.parse_args(argv)
+    cfg = build_config(overrides=parse_set(args.overrides))
+    rank = int(os.environ.get("RANK", "0"))
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 200, (int(n),), generator=g).tolist() for n in args.seq_lens.split(",")]
+    res, probe = train_with_sync_probe(cfg, args.out, seqs, log=lambda m: print(f"[rank{rank}] {m}", flush=True))
+    logged = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in probe.log_history]
+    tmp = args.out / f".rank{rank}.pt.tmp"
+    torch.save({"status": res.status, "last_step": res.last_step, "seqs": seqs, "before": probe.before,
+                "after": probe.after, "steps": [str(p) for p in probe.steps], "log_history": logged}, tmp)
+    tmp.replace(args.out / f"rank{rank}.pt")
+    return res.exit_code
+
+
+def compare_ranks(out: str | Path, world: int, *, eager: bool, **llm_kwargs) -> list[dict]:
+    """After :func:`main` ran on ``world`` ranks: per step and rank, is that rank's synced engine bitwise equal to
+    a fresh engine built from the step's saved masters (one fresh engine per step, shared by the ranks)."""
+    out = Path(out)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    rows = []
+    for i, path in enumerate(ranks[0]["steps"]):
+        llm = fresh_engine(path, eager=eager, **llm_kwargs)
+        want = teacher_forced(llm, ranks[0]["seqs"])
+        del llm
+        gc.collect()
+        for r, rec in enumerate(ranks):
+            before, after = rec["before"][i], rec["after"][i]
+            rows.append({"step": i + 1, "rank": r, "moved": not torch.equal(before, after),
+                         "bitwise": bool(torch.equal(after, want)), "max_abs_diff": float((after - want).abs().max()),
+                         "stale_max_abs_diff": float((before - want).abs().max())})
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 
 import torch
 from trl import GRPOTrainer
@@ -198,6 +199,8 @@ class RoundalignGRPOTrainer(GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if _NAN_INJECT_ENV in os.environ and model.training:
+            loss = _inject_nan(loss, self.accelerator.process_index, self.state.global_step + 1)
         opt = self._master_optimizer()
         return scale_loss_grad(loss, opt.loss_scale) if opt is not None and model.training else loss
 
@@ -228,6 +231,20 @@ class RoundalignGRPOTrainer(GRPOTrainer):
 
         super()._save_rng_state(output_dir)
         fault_point("after_rng", self.state.global_step, self.args.output_dir)
+
+
+_NAN_INJECT_ENV = "ROUNDALIGN_NAN_INJECT"
+
+
+def _inject_nan(loss: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+    """Tests: ``ROUNDALIGN_NAN_INJECT=<rank>@<step>`` makes that rank's training loss NaN in that optimizer step
+    (what a non-finite forward on one rank of a data-parallel run looks like; tests/vllm_cpu/test_ddp_real.py)."""
+    spec = os.environ[_NAN_INJECT_ENV]
+    try:
+        at_rank, at_step = (int(x) for x in spec.split("@"))
+    except ValueError:
+        raise ValueError(f"{_NAN_INJECT_ENV}={spec!r}: expected <rank>@<step>, e.g. 1@3") from None
+    return loss * float("nan") if (rank, step) == (at_rank, at_step) else loss
 
 
 def master_state_dict(trainer) -> dict[str, torch.Tensor]:

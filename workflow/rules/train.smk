@@ -14,6 +14,7 @@ rule train:
     retries: 2
     conda:
         CONDA_ENV
+    threads: lambda wc: SWEEP.train_resources(wc.model)["threads"]
     resources:
         gpu=lambda wc: SWEEP.train_resources(wc.model)["gpu"],
         gpu_model=lambda wc: SWEEP.train_resources(wc.model)["gpu_model"],
