@@ -229,3 +229,19 @@ def test_metrics_option_keeps_only_those_keys_and_names_unknown_ones(tree, capsy
     # the CLI spelling
     assert main(["aggregate", "--results", str(tree), "--out", str(out), "--metrics", "k3,reward/mean"]) == 0
     assert set(pd.read_csv(out / "runs.csv")["metric"]) == {"k3", "reward/mean"}
+
+
+def test_a_real_engine_probes_layer_table_is_named_for_the_emulated_engine_it_compares(tmp_path):
+    # probe --backend vllm: <engine>_layers.csv is the trainer vs the EMULATED engine; the real engine's own layers
+    # come as <engine>_teacher_forced_layers.csv. An emulated-backend probe keeps the plain engine name.
+    layer = [("m1", "e", "full", 0, "hidden_rel_err_rms", 0.0)]
+    write_probe(tmp_path, "m1", "e", [("m1", "e", "full", "token", "mismatch_k3", 0.0)], layer)
+    write_probe(tmp_path, "m2", "e", [("m2", "e", "full", "token", "mismatch_k3", 0.0)], layer)
+    (tmp_path / "probe/m2/e.json").write_text(json.dumps({"backend": "vllm"}))
+    pd.DataFrame(layer, columns=list(PROBE_LAYERS_COLUMNS[1:])).to_csv(tmp_path / "probe/m2/e_teacher_forced_layers.csv",
+                                                                       index=False)
+    aggregate(tmp_path, tmp_path / "agg", log=lambda _: None)
+    layers = pd.read_csv(tmp_path / "agg" / "probe_layers.csv")
+    assert sorted(zip(layers["model"], layers["engine"])) == [("m1", "e"), ("m2", "e_emulated"),
+                                                              ("m2", "e_teacher_forced")]
+    assert set(pd.read_csv(tmp_path / "agg" / "probe.csv")["engine"]) == {"e"}

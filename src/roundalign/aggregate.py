@@ -204,6 +204,14 @@ def _read_run(run_dir: Path, sweep: str, model: str, variant: str, seed: int, wa
     return status_row, rows
 
 
+def _real_engine_probe(meta: Path) -> bool:
+    """The probe JSON beside a probe table says it sampled with real vLLM (``probe --backend vllm``)."""
+    try:
+        return json.loads(meta.read_text()).get("backend") == "vllm"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _read_probe_csv(path: Path, kind_columns: tuple[str, ...], sweep: str, model: str, engine: str,
                     warnings: list[str]) -> pd.DataFrame:
     need = [c for c in kind_columns if c != "sweep"]
@@ -275,6 +283,10 @@ def collect(results_root: str | Path, sweep: str | None = None) -> Aggregate:
     for path in sorted(probe_dir.glob("*/*.csv")) if probe_dir.is_dir() else []:
         is_layers = path.stem.endswith("_layers")
         engine = path.stem[: -len("_layers")] if is_layers else path.stem
+        if is_layers and _real_engine_probe(path.parent / f"{engine}.json"):
+            # probe --backend vllm: <engine>_layers.csv is the trainer against the EMULATED engine (the real one's
+            # layers are <engine>_teacher_forced_layers.csv), named like its token table <engine>_emulated.csv
+            engine += "_emulated"
         try:
             df = _read_probe_csv(path, PROBE_LAYERS_COLUMNS if is_layers else PROBE_COLUMNS, sweep,
                                  path.parent.name, engine, warnings)

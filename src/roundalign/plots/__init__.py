@@ -61,7 +61,9 @@ CAPTIONS: dict[str, str] = {
         "probe's tokens taken as independent (they are not quite: tokens of one completion correlate); a dash "
         "on the axis is an exact 0. Bottom: RMS relative error of the hidden state after each decoder layer, "
         "trainer variant vs engine (log scale), one panel per model; a variant equal to an earlier one at every "
-        "layer is drawn dashed over it and named in the panel."),
+        "layer is drawn dashed over it and named in the panel. A probe against real vLLM adds, per engine mode, the "
+        "engine's own prefill of its sampled tokens ('prefill') and the emulated engine ('vs emulated'); with more "
+        "than eight model-engine entries the two bar panels are stacked, each as wide as the figure."),
     "summary": (
         "Per model and trainer variant, over seeds: number of seeds, of finished and of collapsed runs "
         "with their collapse steps, runs whose reward collapsed, final reward (mean of reward/mean over the "

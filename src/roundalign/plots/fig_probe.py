@@ -30,8 +30,18 @@ def _groups(*tables: pd.DataFrame) -> list[tuple[str, str]]:
     return sorted(set().union(*(set(zip(t["model"], t["engine"])) for t in tables if len(t))))
 
 
+# what a suffixed engine of the real-engine probe compares (roundalign.aggregate: <engine>_<suffix>)
+_ENGINE_SUFFIX = {"teacher_forced": "prefill", "emulated": "vs emulated"}
+MANY_GROUPS = 8  # more (model, engine) groups than this: the two bar panels get a full-width row each
+
+
+def _engine_label(engine: str) -> str:
+    base, _, suffix = engine.partition("_")
+    return f"{base} ({_ENGINE_SUFFIX.get(suffix, suffix)})" if suffix else engine
+
+
 def _group_label(group: tuple[str, str], multi_engine: bool) -> str:
-    return f"{group[0]}\n{group[1]}" if multi_engine else group[0]
+    return f"{group[0]}\n{_engine_label(group[1])}" if multi_engine else group[0]
 
 
 def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: bool, counts=None) -> None:
@@ -67,7 +77,9 @@ def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: 
                             capsize=1.5, gid="wilson")
     labels = [_group_label(g, multi_engine) for g in groups]
     longest = max((len(line) for label in labels for line in label.split("\n")), default=0)
-    if multi_engine or len(groups) > 3 or longest * len(groups) > 50:  # slanted, so neighbours cannot collide
+    if len(groups) > MANY_GROUPS:  # upright: a full-width row still leaves too little room for slanted labels
+        ax.set_xticks(range(len(groups)), labels, rotation=90, fontsize=6.5)
+    elif multi_engine or len(groups) > 3 or longest * len(groups) > 50:  # slanted, so neighbours cannot collide
         ax.set_xticks(range(len(groups)), labels, rotation=30, ha="right", rotation_mode="anchor", fontsize=7)
     else:
         ax.set_xticks(range(len(groups)), labels)
@@ -122,9 +134,11 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
         ncols = n if n <= 3 else min(4, math.ceil(math.sqrt(n)))
         nrows = math.ceil(n / ncols)
         width = max(2 * C.PANEL_SIZE_IN[0], ncols * C.PANEL_SIZE_IN[0]) + 1.3
-        fig = Figure(figsize=(width, C.PANEL_SIZE_IN[1] * (1.2 + nrows) + 0.6), layout="constrained")
-        top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, nrows])
-        ax_k3, ax_exact = top.subplots(1, 2)
+        many = len(groups) > MANY_GROUPS
+        top_h = 3.4 if many else 1.2  # many groups: k3 above the bitwise fractions, each as wide as the figure
+        fig = Figure(figsize=(width, C.PANEL_SIZE_IN[1] * (top_h + nrows) + 0.6), layout="constrained")
+        top, bottom = fig.subfigures(2, 1, height_ratios=[top_h, nrows])
+        ax_k3, ax_exact = top.subplots(2, 1) if many else top.subplots(1, 2)
         layer_axes = bottom.subplots(nrows, ncols, squeeze=False).ravel()
         for ax in layer_axes[n:]:
             ax.remove()
@@ -161,7 +175,9 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
             C.set_log_y(ax)
             C.mark_floor(ax, floor)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_title(f"{group[0]} ({group[1]})" if multi_engine else group[0], fontsize=9)
+            base, _, suffix = group[1].partition("_")
+            where = f"{base}, {_ENGINE_SUFFIX.get(suffix, suffix)}" if suffix else base
+            ax.set_title(f"{group[0]} ({where})" if multi_engine else group[0], fontsize=9)
             ax.set_xlabel("decoder layer (0 = first)")
             ax.set_ylabel("hidden-state RMS rel. error")
         bottom.suptitle("per-layer relative error of the residual stream, trainer variant vs engine", fontsize=9)
