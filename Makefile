@@ -102,6 +102,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python scripts/bench_numerics.py --out results/bench/numerics.txt
 	$(VLLM_BIN)/python scripts/bench_vllm_cpu.py --out results/bench/vllm_cpu.txt
 	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
+	$(VLLM_BIN)/python scripts/bench_train.py --backend vllm --out results/bench/train_vllm_cpu.txt
 	$(BIN)/python scripts/bench_workflow.py --out results/bench/workflow.txt
 	$(BIN)/python scripts/bench_memory.py --out results/bench/memory.txt
 	$(BIN)/python scripts/bench_checkpoint.py --out results/bench/checkpoint.txt

