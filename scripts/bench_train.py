@@ -57,6 +57,17 @@ def step_times(model: str, variant: str, steps: int, root: Path, tag: str, kerne
     return [r["step_time_s"] for r in rows[1:]]  # the first step pays one-time set-up costs
 
 
+def _recorder():
+    """(lines, say): ``say`` prints a line and keeps it for the output file."""
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    return lines, say
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/bench/train.txt")
@@ -73,12 +84,7 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
+    lines, say = _recorder()
     env = environment_info()
     say(f"# roundalign GRPO runner benchmark ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
         f"torch {env['versions']['torch']}, trl {env['versions']['trl']}, 1 thread)")
@@ -120,12 +126,7 @@ def main_vllm(args) -> int:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
+    lines, say = _recorder()
     env = environment_info()
     import vllm
 
