@@ -249,10 +249,9 @@ def run_train_cli(args) -> int:
              if getattr(args, k) is not None}
     cfg = build_config(file=args.config, overrides={**flags, **parse_set(args.overrides)})
     _setup_runtime()
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0")
-    # under `accelerate launch` every rank prints its progress: say which one (the metrics are the ranks' gathered)
-    log = (lambda msg: print(f"[rank{rank}] {msg}", flush=True)) if world > 1 else print
-    result = run_train(cfg, args.out, log=log)
+    from .distributed import rank_log
+
+    result = run_train(cfg, args.out, log=rank_log())  # under accelerate launch: lines say which rank printed them
     if args.export and result.status in ("done", "collapsed"):
         from .train import export_run
 

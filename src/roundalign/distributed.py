@@ -1,5 +1,6 @@
 """The few collectives the runner needs under ``accelerate launch`` (any torch.distributed backend; no-ops in
-a single process): gather per-rank tensors padded to a common length, a global "any rank" flag, a barrier."""
+a single process): gather per-rank tensors padded to a common length, a global "any rank" flag, a barrier; and a
+per-rank progress printer."""
 
 from __future__ import annotations
 
@@ -73,3 +74,12 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def rank_log():
+    """``print`` for one process; under ``accelerate launch`` (WORLD_SIZE > 1, where every rank prints its progress)
+    a ``print`` that prefixes ``[rank<R>]`` and flushes, so interleaved lines say which rank wrote them."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return print
+    rank = os.environ.get("RANK", "0")
+    return lambda msg: print(f"[rank{rank}] {msg}", flush=True)

@@ -69,21 +69,30 @@ def fresh_engine(path, *, eager: bool, dtype: str = "bfloat16", **llm_kwargs):
                max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", **llm_kwargs)
 
 
-def compare_with_fresh_engines(probe: SyncProbe, *, eager: bool, **llm_kwargs) -> list[dict]:
-    """Per step: did the step move the engine, and is the synced engine bitwise equal to a fresh one."""
-    rows = []
-    for step, (path, before, after) in enumerate(zip(probe.steps, probe.before, probe.after), start=1):
+def _fresh_logprobs(steps, seqs, *, eager: bool, **llm_kwargs):
+    """For each saved step directory, in order: a fresh engine's teacher-forced logprobs of ``seqs`` (one engine
+    at a time, released before the next)."""
+    for path in steps:
         llm = fresh_engine(path, eager=eager, **llm_kwargs)
-        want = teacher_forced(llm, probe.seqs)
+        want = teacher_forced(llm, seqs)
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        rows.append({"step": step, "tokens": int(want.numel()), "moved": not torch.equal(before, after),
-                     "bitwise": bool(torch.equal(after, want)),
-                     "max_abs_diff": float((after - want).abs().max()),
-                     "stale_max_abs_diff": float((before - want).abs().max())})
-    return rows
+        yield want
+
+
+def _sync_row(before: torch.Tensor, after: torch.Tensor, want: torch.Tensor) -> dict:
+    """Did the step move the engine (before vs after the sync), and is the synced engine bitwise the fresh one."""
+    return {"tokens": int(want.numel()), "moved": not torch.equal(before, after), "bitwise": bool(torch.equal(after, want)),
+            "max_abs_diff": float((after - want).abs().max()), "stale_max_abs_diff": float((before - want).abs().max())}
+
+
+def compare_with_fresh_engines(probe: SyncProbe, *, eager: bool, **llm_kwargs) -> list[dict]:
+    """Per step: did the step move the engine, and is the synced engine bitwise equal to a fresh one."""
+    fresh = _fresh_logprobs(probe.steps, probe.seqs, eager=eager, **llm_kwargs)
+    return [{"step": step, **_sync_row(before, after, want)}
+            for step, (before, after, want) in enumerate(zip(probe.before, probe.after, fresh), start=1)]
 
 
 def train_with_sync_probe(cfg, out: str | Path, seqs: list[list[int]], log=print):
@@ -126,6 +135,7 @@ def main(argv=None) -> int:
     import os
 
     from .config import build_config, parse_set
+    from .distributed import rank_log
 
     ap = argparse.ArgumentParser(prog="python -m roundalign.sync_check", description=main.__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -136,7 +146,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 200, (int(n),), generator=g).tolist() for n in args.seq_lens.split(",")]
-    res, probe = train_with_sync_probe(cfg, args.out, seqs, log=lambda m: print(f"[rank{rank}] {m}", flush=True))
+    res, probe = train_with_sync_probe(cfg, args.out, seqs, log=rank_log())
     logged = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in probe.log_history]
     tmp = args.out / f".rank{rank}.pt.tmp"
     torch.save({"status": res.status, "last_step": res.last_step, "seqs": seqs, "before": probe.before,
@@ -148,20 +158,10 @@ def main(argv=None) -> int:
 def compare_ranks(out: str | Path, world: int, *, eager: bool, **llm_kwargs) -> list[dict]:
     """After :func:`main` ran on ``world`` ranks: per step and rank, is that rank's synced engine bitwise equal to
     a fresh engine built from the step's saved masters (one fresh engine per step, shared by the ranks)."""
-    out = Path(out)
-    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
-    rows = []
-    for i, path in enumerate(ranks[0]["steps"]):
-        llm = fresh_engine(path, eager=eager, **llm_kwargs)
-        want = teacher_forced(llm, ranks[0]["seqs"])
-        del llm
-        gc.collect()
-        for r, rec in enumerate(ranks):
-            before, after = rec["before"][i], rec["after"][i]
-            rows.append({"step": i + 1, "rank": r, "moved": not torch.equal(before, after),
-                         "bitwise": bool(torch.equal(after, want)), "max_abs_diff": float((after - want).abs().max()),
-                         "stale_max_abs_diff": float((before - want).abs().max())})
-    return rows
+    ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
+    fresh = _fresh_logprobs(ranks[0]["steps"], ranks[0]["seqs"], eager=eager, **llm_kwargs)
+    return [{"step": i + 1, "rank": r, **_sync_row(rec["before"][i], rec["after"][i], want)}
+            for i, want in enumerate(fresh) for r, rec in enumerate(ranks)]
 
 
 if __name__ == "__main__":

@@ -35,9 +35,15 @@ _ENGINE_SUFFIX = {"teacher_forced": "prefill", "emulated": "vs emulated"}
 MANY_GROUPS = 8  # more (model, engine) groups than this: the two bar panels get a full-width row each
 
 
-def _engine_label(engine: str) -> str:
+def _engine_parts(engine: str) -> tuple[str, str]:
+    """(engine, what it compares: '' for the engine itself) of an aggregate engine name."""
     base, _, suffix = engine.partition("_")
-    return f"{base} ({_ENGINE_SUFFIX.get(suffix, suffix)})" if suffix else engine
+    return base, _ENGINE_SUFFIX.get(suffix, suffix)
+
+
+def _engine_label(engine: str) -> str:
+    base, what = _engine_parts(engine)
+    return f"{base} ({what})" if what else base
 
 
 def _group_label(group: tuple[str, str], multi_engine: bool) -> str:
@@ -175,8 +181,7 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
             C.set_log_y(ax)
             C.mark_floor(ax, floor)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            base, _, suffix = group[1].partition("_")
-            where = f"{base}, {_ENGINE_SUFFIX.get(suffix, suffix)}" if suffix else base
+            where = ", ".join(part for part in _engine_parts(group[1]) if part)
             ax.set_title(f"{group[0]} ({where})" if multi_engine else group[0], fontsize=9)
             ax.set_xlabel("decoder layer (0 = first)")
             ax.set_ylabel("hidden-state RMS rel. error")
