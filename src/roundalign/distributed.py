@@ -78,8 +78,17 @@ def _device() -> torch.device:
 
 def rank_log():
     """``print`` for one process; under ``accelerate launch`` (WORLD_SIZE > 1, where every rank prints its progress)
-    a ``print`` that prefixes ``[rank<R>]`` and flushes, so interleaved lines say which rank wrote them."""
+    a printer that prefixes ``[rank<R>]`` and writes each line whole, so interleaved lines say which rank wrote them."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return print
+    import sys
+
     rank = os.environ.get("RANK", "0")
-    return lambda msg: print(f"[rank{rank}] {msg}", flush=True)
+
+    def log(msg) -> None:
+        # one write per line: torchrun's children write unbuffered, and print() writes the text and its newline
+        # separately, so two ranks' lines came out glued together ("...(0.26s)[rank1] [train] step 2/4 ...")
+        sys.stdout.write(f"[rank{rank}] {msg}\n")
+        sys.stdout.flush()
+
+    return log
