@@ -87,7 +87,7 @@ def test_accelerate_configs_parse_without_mixed_precision():
     from accelerate.commands.config.config_args import ClusterConfig
 
     names = sorted(p.name for p in (ROOT / "configs/accelerate").glob("*.yaml"))
-    assert names == ["ddp.yaml", "fsdp.yaml", "zero3.yaml"]
+    assert names == ["cpu.yaml", "ddp.yaml", "fsdp.yaml", "zero3.yaml"]
     for name in names:
         cfg = ClusterConfig.from_yaml_file(ROOT / "configs/accelerate" / name)
         assert cfg.num_processes >= 2
@@ -98,3 +98,6 @@ def test_accelerate_configs_parse_without_mixed_precision():
             assert cfg.deepspeed_config["deepspeed_config_file"] == "configs/accelerate/zero3.json"
         else:
             assert str(cfg.mixed_precision) == "no"
+        if name == "cpu.yaml":
+            # torchrun's launcher on purpose: accelerate 1.15 starts a use_cpu config as ONE process without mpirun
+            assert cfg.distributed_type == "MULTI_GPU" and not cfg.use_cpu
