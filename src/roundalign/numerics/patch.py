@@ -31,12 +31,17 @@ a plain ``from_pretrained`` gives stock numerics and warns nothing: see README).
 
 What a user sees keeps the model dtype: a decoder layer returns the bf16 residual stream (the stored
 sum, rounded once, as the engine stores it), so ``output_hidden_states`` and forward hooks see bf16. The
-fp32 low part of the sum (``sum - bf16(sum)``, exact in fp32) rides along as an attribute of that tensor and
-the next layer (or the final norm) re-forms the exact fp32 sum from the two. It is detached: gradients of
-the residual stream flow through the bf16 tensor, as in stock HF, and the forward is identical with and
-without gradient checkpointing (the layer's ``__call__`` hands the low part to ``forward`` as a keyword,
-which reentrant checkpointing replays unchanged). A forward hook that *replaces* a layer's output drops the
-low part: the next layer then reads the rounded stream (documented, not an error).
+fp32 low part of the sum (``sum - bf16(sum)``, exact in fp32) goes into a carrier slot, one small dict per
+decoder trunk held by its layers and final norm, next to the very tensor the layer returned; the next layer
+(or the final norm) takes it only if its input *is* that tensor, re-forms the exact fp32 sum from the two, and
+empties the slot, so nothing outlives one forward. The low part is detached: gradients of the residual stream
+flow through the bf16 tensor, as in stock HF, and the forward is identical with and without gradient
+checkpointing (the layer's ``__call__`` hands the low part to ``forward`` as a keyword, which checkpointing
+binds into its replay). A forward hook that *replaces* a layer's output drops the low part: the next layer
+then reads the rounded stream (documented, not an error). The slot is plain Python state that Dynamo
+traces: ``torch.compile(model, fullgraph=True)`` works, and inside an outer compile each region is its formula
+(AOTAutograd differentiates it) instead of a custom autograd node. Two threads running one model instance at
+once would share its slot: give each thread its own copy.
 
 Guarantees (each enforced by a test in ``tests/test_patch.py`` / ``tests/test_engine.py``):
 
@@ -50,7 +55,11 @@ Guarantees (each enforced by a test in ``tests/test_patch.py`` / ``tests/test_en
   (``regions.region_kernels``), with gradients bitwise those of plain autograd on the formula, first and second
   order: ``backward(retain_graph=True)`` twice and ``create_graph=True``/double backward work with both kernel
   modes (``tests/test_compiled_engine.py``), and ``full`` keeps less activation memory than ``baseline``
-  (``tests/test_activation_memory.py``, ``scripts/bench_memory.py``).
+  (``tests/test_activation_memory.py``, ``scripts/bench_memory.py``);
+- ``torch.compile(model, fullgraph=True, options={"emulate_precision_casts": True})`` of an aligned model is
+  bitwise the eager aligned model (logits and hidden states, sdpa attention, both kernel modes), does not
+  recompile on a repeated call, and trains (``tests/test_torch_compile.py``). Inductor's default elides
+  bf16 roundings between fused ops in stock and aligned models alike (docs/numerics.md).
 
 The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinned);
 ``tests/test_patch.py::test_forwards_mirror_stock_transformers`` fails loudly when they drift.
@@ -92,20 +101,33 @@ def _is_qwen3(attn: nn.Module) -> bool:
     return hasattr(attn, "q_norm")
 
 
-LO_ATTR = "_roundalign_lo"  # on a layer's bf16 output: the fp32 low part of the unrounded residual sum
-FP32_ATTR = "_roundalign_fp32"  # on a q/k norm's bf16 output: its unrounded fp32 value (fused norm -> RoPE)
+SLOT_ATTR = "_roundalign_slot"  # one dict per trunk, on its layers and final norm: {"out": bf16 tensor, "lo": fp32}
 
 
 def _kernels(module):
     return regions.region_kernels(getattr(module, _KERNELS_ATTR))
 
 
-def _split_fp32(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 sum -> its bf16 rounding, carrying the (detached) low part so that ``_join`` re-forms ``s`` exactly
-    (``s - bf16(s)`` is exact in fp32 by Sterbenz's lemma, and so is the sum back)."""
+def _split_fp32(module: nn.Module, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 sum -> its bf16 rounding; the (detached) low part goes into the trunk's carrier slot next to that
+    output, so that ``_join`` re-forms ``s`` exactly (``s - bf16(s)`` is exact in fp32 by Sterbenz's lemma, and so
+    is the sum back)."""
     out = s.to(dtype)
-    setattr(out, LO_ATTR, (s.detach() - out.detach().float()))
+    slot = getattr(module, SLOT_ATTR)
+    slot["out"], slot["lo"] = out, s.detach() - out.detach().float()
     return out
+
+
+def _take_lo(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The low part carried for ``x`` if ``x`` is the very tensor the previous layer returned, else None (a hook
+    replaced it, or a layer is called on its own); the slot is emptied either way, so that nothing outlives
+    one forward (a compiled model then sees the same empty slot at every call)."""
+    slot = getattr(module, SLOT_ATTR, None)
+    if slot is None or slot["out"] is None:
+        return None
+    lo = slot["lo"] if x is slot["out"] else None
+    slot["out"] = slot["lo"] = None
+    return lo
 
 
 def _join(x: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
@@ -117,12 +139,13 @@ def _join(x: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
 
 
 class _AlignedRMSNorm:
-    def forward(self, hidden_states, residual=None):
+    def forward(self, hidden_states, residual=None, _roundalign_fp32=False):
         """RMSNorm per the plan. ``hidden_states`` may be an unrounded fp32 sum. With ``residual``: the add
         first, returning ``(normed, new_residual)``: in bf16 (vLLM's eager CUDA ``fused_add_rms_norm``), or in
         fp32 with the norm reading the unrounded sum, the new residual being the sum rounded once
         (``fp32-read``) or the fp32 sum itself (``fp32``/``fp32-stream``: it feeds the next add unrounded).
-        A Qwen3 q/k norm feeding RoPE in one fused kernel returns bf16 but carries its fp32 value for RoPE."""
+        A Qwen3 q/k norm feeding RoPE in one fused kernel is called with ``_roundalign_fp32=True`` and returns its
+        unrounded fp32 value, which RoPE reads."""
         K = _kernels(self)
         plan: RoundingPlan = getattr(self, _PLAN_ATTR)
         if residual is not None and plan.residual != "bf16":
@@ -130,17 +153,14 @@ class _AlignedRMSNorm:
                                           keep_fp32_sum=plan.residual != "fp32-read", norm=plan.norm)
         if residual is not None:
             return K.add_rmsnorm_bf16_sum(hidden_states, residual, self.weight, eps=self.variance_epsilon)
-        lo = getattr(hidden_states, LO_ATTR, None) if plan.residual != "bf16" else None
+        lo = _take_lo(self, hidden_states) if plan.residual != "bf16" else None
         if plan.norm == "hf":
             # the native formula run eagerly (vLLM-CPU eager): HF's roundings, of the unrounded sum if there is one
             return regions.rmsnorm_hf(_join(hidden_states, lo), self.weight, self.variance_epsilon,
                                       out_dtype=self.weight.dtype)
         hidden_states = _join(hidden_states, lo)
-        if getattr(self, "_roundalign_keep_fp32", False):
-            y = K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon, keep_fp32=True)
-            out = y.to(self.weight.dtype)
-            setattr(out, FP32_ATTR, y)
-            return out
+        if _roundalign_fp32:
+            return K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon, keep_fp32=True)
         return K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon)
 
 
@@ -148,8 +168,10 @@ class _AlignedDecoderLayer:
     def __call__(self, *args, **kwargs):
         # Hand the low part of the incoming sum to forward as a keyword: gradient checkpointing binds keywords
         # into its replay, while a replayed positional input is a detached copy that lost its attributes.
-        if args and LO_ATTR in getattr(args[0], "__dict__", {}):
-            kwargs["_roundalign_lo"] = getattr(args[0], LO_ATTR)
+        if args:
+            lo = _take_lo(self, args[0])
+            if lo is not None:
+                kwargs["_roundalign_lo"] = lo
         return super().__call__(*args, **kwargs)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
@@ -164,8 +186,6 @@ class _AlignedDecoderLayer:
         dtype = self.input_layernorm.weight.dtype
         # in an fp32 model every sum is already what it is: the fp32 modes read exactly HF's
         mode = plan.residual if dtype != torch.float32 else "bf16"
-        if _roundalign_lo is None:
-            _roundalign_lo = getattr(hidden_states, LO_ATTR, None)
         x_in = _join(hidden_states, _roundalign_lo if mode != "bf16" else None)
         # the stored residual: the sum rounded once, except in the one-graph compile, which never rounds it
         residual = x_in if mode == "fp32-stream" else hidden_states
@@ -184,12 +204,12 @@ class _AlignedDecoderLayer:
             # (it saves the inputs, not s) in which s's gradient sums in stock autograd's order.
             hidden_states, s = self.post_attention_layernorm(hidden_states, residual)
             hidden_states = self.mlp(hidden_states)
-            return _split_fp32(s + hidden_states.float(), dtype)
+            return _split_fp32(self, s + hidden_states.float(), dtype)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         if mode == "fp32-read":
             # the next norm reads the unrounded sum (the low part rides along); the stored stream is its rounding
-            return _split_fp32(residual.float() + hidden_states.float(), dtype)
+            return _split_fp32(self, residual.float() + hidden_states.float(), dtype)
         return residual + hidden_states
 
 
@@ -207,8 +227,8 @@ def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.
     out = []
     for x, norm in ((q, getattr(attn, "q_norm", None)), (k, getattr(attn, "k_norm", None))):
         if norm is not None:
-            x = norm(x)
-            x = getattr(x, FP32_ATTR, x)
+            # called as a module (hooks fire); under the fused norm->RoPE plan it returns its fp32 value
+            x = norm(x, _roundalign_fp32=True) if getattr(norm, "_roundalign_keep_fp32", False) else norm(x)
         x = x.transpose(1, 2)
         if plan.rope == "fused":
             out.append(K.rope_fused(x, cos, sin))
@@ -303,7 +323,7 @@ def _install(module: nn.Module, plan: RoundingPlan, kernels: str, **extra) -> No
 
 def _uninstall(module: nn.Module) -> None:
     module.__class__ = _stock_class(module)
-    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32"):
+    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32", SLOT_ATTR):
         module.__dict__.pop(attr, None)
 
 
@@ -355,6 +375,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     if act != "silu":
         raise ValueError(f"roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act={act!r}")
     plan = plan_for(engine, variant)
+    slot = {"out": None, "lo": None}  # the carrier of the residual sum's low part from a layer to the next
 
     for layer in trunk.layers:
         attn = layer.self_attn
@@ -363,7 +384,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
         for m in (layer, attn, layer.mlp, *norms, *qk_norms):
             _uninstall(m)
         if plan.aligns_norm:
-            _install(layer, plan, kernels)
+            _install(layer, plan, kernels, **{SLOT_ATTR: slot})
             for m in norms:
                 _install(m, plan, kernels)
         if plan.norm == "fused":  # a q/k norm reads no sum: with HF's norm rounding it is HF's module
@@ -375,7 +396,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             _install(layer.mlp, plan, kernels)
     _uninstall(trunk.norm)
     if plan.aligns_norm:
-        _install(trunk.norm, plan, kernels)
+        _install(trunk.norm, plan, kernels, **{SLOT_ATTR: slot})
     setattr(model, _STATE_ATTR, (variant, engine, kernels))
     # Record the alignment in a config of this model's own: HF models built from one config object share it,
     # and writing into a shared one would make a never-aligned sibling save (and load_model re-apply) it.

@@ -298,6 +298,8 @@ def _one_node(name: str, kernel):
     reference = globals()[name]
     if name.startswith("rope_fused"):  # the backward of a rounding (either way) is the identity
         def rope(x, cos, sin, out_dtype=None):
+            if torch.compiler.is_compiling():  # inside an outer torch.compile: AOTAutograd differentiates the formula
+                return reference(x, cos, sin, out_dtype)
             if cos.requires_grad or sin.requires_grad:  # not in HF (cos/sin come from a buffer): keep x too
                 return _RecomputeInBackward.apply(reference, kernel, None, {"out_dtype": out_dtype}, x, cos, sin)
             return _RopeFused.apply(kernel, x, cos, sin, out_dtype)
@@ -306,6 +308,8 @@ def _one_node(name: str, kernel):
     vjp = None if kernel is reference else _compiled_vjp(reference)
 
     def region(*inputs, **kwargs):
+        if torch.compiler.is_compiling():  # inside an outer torch.compile: AOTAutograd differentiates the formula
+            return reference(*inputs, **kwargs)
         if not all(isinstance(a, Tensor) for a in inputs):  # eps is a float: the node takes tensors positionally
             raise TypeError(f"{name}: pass non-tensor arguments by keyword in the kernel namespace")
         if kernel is reference and all(a.dtype == torch.float32 for a in inputs):
