@@ -10,6 +10,7 @@ eager graph. The numbers of both settings are in docs/numerics.md ("torch.compil
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -99,3 +100,49 @@ def test_training_through_the_compiled_aligned_model(arch, engine, kernels):
         rel[variant] = max(float((g_comp[n] - g_eager[n]).norm() / g_eager[n].norm()) for n in g_eager)
     assert rel["full"] < 0.02, rel  # bf16 gradients: a few ulps of the largest entries, not a broken backward
     assert rel["full"] <= 2 * rel["baseline"] + 1e-3, rel
+
+
+def test_trls_torch_compile_path_trains_the_aligned_policy_compiled(tmp_path, monkeypatch):
+    # GRPOConfig(torch_compile=True): accelerate compiles the policy in prepare(); the runner hands it
+    # emulate_precision_casts. Step 1 starts from identical weights and rollouts, so its loss (a function of the
+    # compiled forward) equals the eager run's exactly; its gradient comes from Inductor's backward (close, not
+    # equal), and later steps drift apart by that.
+    from roundalign import train as train_mod
+    from roundalign.config import build_config
+    from roundalign.pretrain import pretrain_tiny
+    from roundalign.tiny import make_tiny
+    from roundalign.train import run_train
+
+    # warm-started, so that rewards vary within a group and the loss is not zero
+    model = pretrain_tiny(make_tiny("qwen2", tmp_path / "tiny", hidden=64, layers=2, seed=0), tmp_path / "sft",
+                          steps=400, log=lambda *_: None)
+    run = {"model": str(model), "variant": "full", "steps": 2, "prompts_per_step": 8, "num_generations": 4,
+           "per_device_batch_size": 32, "max_completion_length": 6, "learning_rate": 2e-3, "checkpoint_every": 10}
+    eager = run_train(build_config(overrides=run), tmp_path / "eager", log=lambda *_: None)
+
+    build, compile_ = train_mod.build_grpo_args, torch.compile
+    compiled = []
+
+    def with_compile(*a, **kw):
+        args = build(*a, **kw)
+        args.torch_compile, args.torch_compile_backend = True, "inductor"
+        return args
+
+    def recording_compile(model, **kw):  # what accelerate's prepare() compiles, and with which options
+        compiled.append((type(model).__name__, kw.get("options")))
+        return compile_(model, **kw)
+
+    monkeypatch.setattr(train_mod, "build_grpo_args", with_compile)
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    torch._dynamo.reset()
+    comp = run_train(build_config(overrides=run), tmp_path / "compiled", log=lambda *_: None)
+    assert eager.status == comp.status == "done"
+    assert compiled == [("Qwen2ForCausalLM", EMULATE)]
+    rows = {k: [json.loads(x) for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+            for k in ("eager", "compiled")}
+    e1, c1 = rows["eager"][0], rows["compiled"][0]
+    assert e1["optim/loss"] != 0 and c1["optim/loss"] == e1["optim/loss"]
+    assert e1["optim/grad_norm"] > 0
+    assert c1["optim/grad_norm"] == pytest.approx(e1["optim/grad_norm"], rel=0.02)
+    print("torch_compile step 1 (eager, compiled):",
+          {k: (e1[k], c1[k]) for k in ("optim/loss", "optim/grad_norm", "mismatch/token/k3")})

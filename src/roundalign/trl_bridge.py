@@ -114,6 +114,18 @@ class RoundalignGRPOTrainer(GRPOTrainer):
     log_mismatch: bool = True
     mismatch_is: tuple | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        plugin = self.accelerator.state.dynamo_plugin
+        if self.args.torch_compile and plugin is not None:
+            # TrainingArguments(torch_compile=True): accelerate compiles the policy in prepare() with these
+            # options (accelerate 1.15 Accelerator.prepare_model -> torch.compile(model, **plugin.to_kwargs())).
+            # Inductor by default elides the bf16 downcast-upcast pair between fused ops, the explicit roundings
+            # of the aligned regions included; emulate_precision_casts keeps every rounding of the eager graph, so
+            # the compiled policy is bitwise the eager one (tests/test_torch_compile.py). Per compiled model, not
+            # Inductor's global config: a colocated vLLM engine in this process compiles with its own settings.
+            plugin.options = {**(plugin.options or {}), "emulate_precision_casts": True}
+
     def _generate_and_score_completions(self, inputs):
         if self.args.use_vllm and self.args.vllm_mode == "colocate":
             # Colocated vLLM runs in this process and samples requests without a seed from the device's
