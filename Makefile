@@ -100,7 +100,7 @@ report: $(STAMP)
 
 bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python scripts/bench_numerics.py --out results/bench/numerics.txt
-	$(BIN)/python scripts/bench_compile.py --out results/bench/compile.txt
+	$(BIN)/python scripts/bench_compile.py --hidden 128 --layers 2 --seq 256 --out results/bench/compile.txt
 	$(VLLM_BIN)/python scripts/bench_vllm_cpu.py --out results/bench/vllm_cpu.txt
 	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
 	$(VLLM_BIN)/python scripts/bench_train.py --backend vllm --out results/bench/train_vllm_cpu.txt

@@ -1,6 +1,9 @@
 """Benchmark: a compiled aligned model against a compiled stock model, forward+backward, ratios within one run.
 
-    python scripts/bench_compile.py --out results/bench/compile.txt        # ~8 min on 2 CPU cores
+    python scripts/bench_compile.py --out results/bench/compile.txt        # compiles dominate: ~15 min on 2 cores
+
+On a CPU without AVX-512 (AVX2 only) torch's bf16 GEMMs run at ~1 GFLOP/s, and the default shape then spends
+~95% of a step in aten::mm (51 s a step, measured): pass a smaller --hidden/--seq there, as make bench does.
 
 The fair comparison for ``torch.compile``: a compiled stock model fuses its own elementwise ops too. Same
 Qwen-shaped bf16 model as bench_numerics.py part 1 (hidden 512, intermediate 2816, 4 layers, sdpa, batch
@@ -46,9 +49,9 @@ ARMS = {
 REFERENCE = "stock compiled"
 
 
-def time_arms(arch: str, root: Path, rounds: int, seq: int) -> dict[str, list[float]]:
-    path = make_tiny(arch, root / f"bench-{arch}", hidden=512, intermediate=2816, layers=4, heads=8, kv_heads=2,
-                     seed=0)
+def time_arms(arch: str, root: Path, rounds: int, seq: int, hidden: int, layers: int) -> dict[str, list[float]]:
+    path = make_tiny(arch, root / f"bench-{arch}", hidden=hidden, intermediate=hidden * 11 // 2, layers=layers,
+                     heads=hidden // 64, kv_heads=2, seed=0)
     base = load_model(str(path), dtype="bf16", attn="sdpa").train()
     ids = torch.randint(0, base.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
     runs = {}
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/bench/compile.txt", help="where to record the output")
     p.add_argument("--rounds", type=int, default=12, help="interleaved timing rounds (default 12)")
     p.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size, intermediate 5.5x (default 512)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
@@ -89,14 +94,15 @@ def main(argv=None) -> int:
     env = environment_info()
     lines = [f"# roundalign torch.compile cost ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
              f"torch {env['versions']['torch']}, 1 torch thread)",
-             f"forward+backward, hidden 512, intermediate 2816, 4 layers, batch 2 x {args.seq} tokens, bf16, sdpa, "
+             f"forward+backward, hidden {args.hidden}, intermediate {args.hidden * 11 // 2}, {args.layers} layers, "
+             f"batch 2 x {args.seq} tokens, bf16, sdpa, "
              f"fullgraph static-shape compiles, {args.rounds} interleaved rounds; ratio = median / median of "
              f"'{REFERENCE}'",
              f"{'arch':6} {'arm':33} {'median ms':>10} {'ratio':>7} {'ratio min..max over rounds':>28}"]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ("qwen2", "qwen3"):
-            times = time_arms(arch, Path(tmp), args.rounds, args.seq)
+            times = time_arms(arch, Path(tmp), args.rounds, args.seq, args.hidden, args.layers)
             ref = times[REFERENCE]
             for arm, ts in times.items():
                 per_round = [t / r for t, r in zip(ts, ref)]
