@@ -166,8 +166,9 @@ class _AlignedRMSNorm:
 
 class _AlignedDecoderLayer:
     def __call__(self, *args, **kwargs):
-        # Hand the low part of the incoming sum to forward as a keyword: gradient checkpointing binds keywords
-        # into its replay, while a replayed positional input is a detached copy that lost its attributes.
+        # Take the low part of the incoming sum from the slot and hand it to forward as a keyword: gradient
+        # checkpointing binds keywords into its replay, while the slot is emptied here and a replayed positional
+        # input is a detached copy, not the tensor the slot named.
         if args:
             lo = _take_lo(self, args[0])
             if lo is not None:
@@ -208,7 +209,7 @@ class _AlignedDecoderLayer:
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         if mode == "fp32-read":
-            # the next norm reads the unrounded sum (the low part rides along); the stored stream is its rounding
+            # the next norm reads the unrounded sum (the low part goes through the slot); the stored stream is its rounding
             return _split_fp32(self, residual.float() + hidden_states.float(), dtype)
         return residual + hidden_states
 
