@@ -13,7 +13,7 @@
 # and:
 #   make figures  -> figures/ from the committed aggregate tables only (no training; -s workflow/figures.smk does the same)
 #   make report   -> report.html (snakemake --report) for the smoke sweep
-#   make bench    -> the benchmarks whose output is recorded under results/bench/ (vllm_cpu.txt: the real engine,
+#   make bench    -> the benchmarks and records under results/bench/ (vllm_cpu.txt: the real engine,
 #                    run in .venv-vllm)
 #   make slurm-up / slurm-down -> that one-node SLURM (scripts/slurm_local.sh; root; installs slurm-wlm + munge)
 PY      ?= python3
@@ -107,6 +107,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python scripts/bench_workflow.py --out results/bench/workflow.txt
 	$(BIN)/python scripts/bench_memory.py --out results/bench/memory.txt
 	$(BIN)/python scripts/bench_checkpoint.py --out results/bench/checkpoint.txt
+	$(BIN)/python scripts/hf_model_tests.py --out results/bench/hf_model_tests.txt
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(WORK) .pytest_cache
