@@ -7,8 +7,8 @@ transformers is committed here. The two imports of ``test_modeling_common.py`` w
 get empty stand-ins, written by ``write_stubs`` below and named in every record:
 
 - ``hf_tests.exporters.test_export.ExportTesterMixin``: torch.export tests, not run;
-- ``hf_tests.generation.test_utils.GenerationTesterMixin``: imported only, ``ModelTesterMixin`` does not inherit it;
-  generation is covered by our own tests (tests/test_patch.py).
+- ``hf_tests.generation.test_utils.GenerationTesterMixin``: ``ModelTesterMixin`` does not inherit it; without the
+  real one transformers' generate() tests do not run here.
 """
 
 from __future__ import annotations
