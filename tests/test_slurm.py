@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from roundalign.checkpoints import MARKER
 from roundalign.train import TIMING_KEYS
 
 pytestmark = pytest.mark.slurm
@@ -155,7 +156,10 @@ def _comment(variant: str) -> str:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    return bool(list((run_dir / "checkpoints").glob("checkpoint-*/trainer_state.json")))
+    """A *complete* checkpoint (its marker written last): trainer_state.json alone can precede the rest of the
+    save by seconds on a loaded machine, and a kill in that window leaves nothing to resume from (seen in CI
+    with both test environments running side by side: the retry rightly restarted from step 0)."""
+    return bool(list((run_dir / "checkpoints").glob(f"checkpoint-*/{MARKER}")))
 
 
 @pytest.fixture(scope="module")
