@@ -27,14 +27,6 @@ import sdist  # noqa: E402
 from roundalign.envinfo import environment_info  # noqa: E402
 from roundalign.io import atomic_write_text  # noqa: E402
 
-CONTROLS = {
-    "control_bf16_in_fp32": "full, then every decoder layer's output rounded to bf16 in fp32 models too (the fp32 "
-                            "no-op broken; outputs move ~1e-2)",
-    "control_stale_attn_config": "full, then each attention module holds a config copy of its own "
-                                 "(set_attn_implementation no longer reaches attention)",
-    "control_rejects_heads": "apply_alignment raising TypeError for the sequence/token-classification and QA heads, "
-                             "as it did before they were supported",
-}
 # what covers, in our own suite, what transformers' tests cannot see
 OWN_TESTS = {
     "control_bf16_in_fp32": "tests/test_patch.py::test_fp32_model_every_variant_is_bitwise_noop",
@@ -58,10 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "hf_model_tests.txt")
     p.add_argument("--no-controls", action="store_true", help="skip the three negative controls (~3 min)")
     args = p.parse_args(argv)
-    sdist.check_installed_transformers()
     with tempfile.TemporaryDirectory() as tmp:
         main_run = harness.run(Path(tmp) / "main")
-        ctrl_run = None if args.no_controls else harness.run(Path(tmp) / "controls", alignments=tuple(CONTROLS))
+        ctrl_run = None if args.no_controls else harness.run(Path(tmp) / "controls", alignments=tuple(harness.CONTROLS))
     env = environment_info()
     lines = [
         "transformers' own common model tests (ModelTesterMixin, v5.17.0 sdist) on Qwen2/Qwen3, stock and with "
@@ -94,9 +85,9 @@ def main(argv=None) -> int:
         outcomes.update({k: v for k, v in main_run["outcomes"].items() if k[1] == "stock"})
         diffs = harness.differences(outcomes)
         lines += ["", f"NEGATIVE CONTROLS ({ctrl_run['seconds']:.0f} s wall): full plus a deliberate bug",
-                  *[f"  {name}: {text}" for name, text in CONTROLS.items()],
+                  *[f"  {name}: {text}" for name, text in harness.CONTROLS.items()],
                   harness.counts_table(outcomes), "", "differences from stock:", *_differences_text(diffs), ""]
-        for name in CONTROLS:
+        for name in harness.CONTROLS:
             caught = [arch for (arch, a), rows in diffs.items() if a == name and rows]
             verdict = f"DETECTED ({', '.join(caught)})" if caught else "NOT detected by these tests"
             lines.append(f"  {name}: {verdict}" + ("" if caught or name not in OWN_TESTS

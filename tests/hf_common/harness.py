@@ -21,9 +21,26 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "src"
 SUITE = HERE / "qwen_suite.py"
 ARCHS = ("qwen2", "qwen3")
-# keep in step with qwen_suite.ALIGNMENTS (imported there with transformers; here only names)
-ALIGNMENTS = ("stock", "full_vllm_compiled", "full_vllm_eager", "full_vllm_compiled_ckernels",
-              "full_vllm_cpu_compiled")
+# name -> (variant, engine, kernels) given to apply_alignment by qwen_suite's injection; None = stock
+ALIGNMENT_SPECS = {
+    "stock": None,
+    "full_vllm_compiled": ("full", "vllm-compiled", "eager"),
+    "full_vllm_eager": ("full", "vllm-eager", "eager"),
+    "full_vllm_compiled_ckernels": ("full", "vllm-compiled", "compiled"),
+    "full_vllm_cpu_compiled": ("full", "vllm-cpu-compiled", "eager"),
+}
+ALIGNMENTS = tuple(ALIGNMENT_SPECS)
+# negative controls, not alignments: `full` (vllm-compiled) plus the bug named here, which qwen_suite adds, to see
+# whether transformers' tests can tell it from stock
+CONTROLS = {
+    "control_bf16_in_fp32": "full, then every decoder layer's output rounded to bf16 in fp32 models too (the fp32 "
+                            "no-op broken; outputs move ~1e-2)",
+    "control_stale_attn_config": "full, then each attention module holds a config copy of its own "
+                                 "(set_attn_implementation no longer reaches attention)",
+    "control_rejects_heads": "apply_alignment raising TypeError for the sequence/token-classification and QA heads, "
+                             "as it did before they were supported",
+}
+CONTROL_SPEC = ("full", "vllm-compiled", "eager")
 STATUSES = ("passed", "failed", "error", "skipped")
 
 
@@ -70,20 +87,18 @@ def run(out_dir: Path, archs=ARCHS, alignments=ALIGNMENTS, select: str | None = 
 
 def read_junit(path: Path) -> dict:
     """``{(arch, alignment): {test name: status}}`` from a junit XML of qwen_suite.py."""
+    tag_status = {"failure": "failed", "error": "error", "skipped": "skipped"}
     out: dict = {}
     for case in ET.parse(path).iter("testcase"):
         cls = case.get("classname").rsplit(".", 1)[-1]  # "Qwen2_full_vllm_eager"
         arch, alignment = cls.split("_", 1)
-        status = "passed"
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                status = child.tag
+        # the last outcome child counts (a case can hold <skipped/> then <failure/>, from its subtests)
+        status = ([tag_status[c.tag] for c in case if c.tag in tag_status] or ["passed"])[-1]
         tests = out.setdefault((arch.lower(), alignment), {})
         # a test reported twice (a teardown error after a pass) keeps its worst outcome
-        if tests.get(case.get("name")) in ("failure", "error"):
-            continue
-        tests[case.get("name")] = status
-    return {k: {t: {"failure": "failed"}.get(s, s) for t, s in v.items()} for k, v in out.items()}
+        if tests.get(case.get("name")) not in ("failed", "error"):
+            tests[case.get("name")] = status
+    return out
 
 
 def counts(tests: dict) -> Counter:
@@ -104,9 +119,9 @@ def differences(outcomes: dict) -> dict:
 
 
 def counts_table(outcomes: dict) -> str:
+    order = list(ALIGNMENTS) + list(CONTROLS)
     rows = [f"{'arch':6} {'alignment':30} " + " ".join(f"{s:>8}" for s in STATUSES)]
-    for (arch, alignment), tests in sorted(outcomes.items(), key=lambda kv: (kv[0][0], ALIGNMENTS.index(kv[0][1])
-                                                                               if kv[0][1] in ALIGNMENTS else 99)):
-        c = counts(tests)
+    for arch, alignment in sorted(outcomes, key=lambda key: (key[0], order.index(key[1]))):
+        c = counts(outcomes[(arch, alignment)])
         rows.append(f"{arch:6} {alignment:30} " + " ".join(f"{c.get(s, 0):8d}" for s in STATUSES))
     return "\n".join(rows)

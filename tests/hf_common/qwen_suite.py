@@ -28,27 +28,14 @@ from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2ForQuestionAnsweri
                           Qwen3ForQuestionAnswering, Qwen3ForSequenceClassification, Qwen3ForTokenClassification,
                           Qwen3Model)
 
+from harness import ALIGNMENT_SPECS, CONTROL_SPEC, CONTROLS
+
 from roundalign.numerics import alignment_of, apply_alignment
 
 torch.set_num_threads(1)
 
-# name -> (variant, engine, kernels) passed to apply_alignment; None = stock
-ALIGNMENTS = {
-    "stock": None,
-    "full_vllm_compiled": ("full", "vllm-compiled", "eager"),
-    "full_vllm_eager": ("full", "vllm-eager", "eager"),
-    "full_vllm_compiled_ckernels": ("full", "vllm-compiled", "compiled"),
-    "full_vllm_cpu_compiled": ("full", "vllm-cpu-compiled", "eager"),
-    # negative controls, not alignments: `full` plus a bug, to see whether transformers' tests can tell it from stock
-    # - every decoder layer's output rounded to bf16 in fp32 models too (the fp32 no-op guarantee broken):
-    "control_bf16_in_fp32": ("full", "vllm-compiled", "eager"),
-    # - each attention module with a config copy of its own, the bug an older version of these tests found
-    #   (set_attn_implementation no longer reaches attention):
-    "control_stale_attn_config": ("full", "vllm-compiled", "eager"),
-    # - the head classes (sequence/token classification, QA) refused, as apply_alignment refused them before:
-    "control_rejects_heads": ("full", "vllm-compiled", "eager"),
-}
-CONTROLS = ("control_bf16_in_fp32", "control_stale_attn_config", "control_rejects_heads")
+# names and specs live in harness.py (light to import, shared with the runner and the record)
+ALIGNMENTS = {**ALIGNMENT_SPECS, **{name: CONTROL_SPEC for name in CONTROLS}}
 ARCHS = {
     "qwen2": (Qwen2Config, (Qwen2Model, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification,
                             Qwen2ForQuestionAnswering)),
