@@ -6,6 +6,7 @@ reward/mean = step/20 + 0.01*seed; k3 = 1e-4*step for baseline and exactly 0 for
 """
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -25,6 +26,7 @@ from roundalign.plots.fig_k3 import plot_k3
 from roundalign.plots.fig_probe import plot_probe
 from roundalign.plots.summary import final_mean
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 COLLAPSE_STEP = 15
 IMAGE_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe"]
@@ -358,3 +360,41 @@ def test_parallel_rebuild_writes_the_serial_bytes_and_paths(agg_dir, rendered, t
                  "--figures", "fig_k3,summary", "--formats", "png"]) == 0
     assert (tmp_path / "c" / "fig_k3.png").read_bytes() == (rendered[0] / "fig_k3.png").read_bytes()
     assert "(2 processes)" in capsys.readouterr().out
+
+
+GRID_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff"]
+
+
+@pytest.mark.parametrize("source", ["synthetic", "stress", "vllm-cpu"])
+def test_grid_figures_keep_every_label_inside_the_figure_and_off_the_other_panels(agg_dir, source, tmp_path):
+    # The step figures use fixed margins (GRID_MARGINS_IN), not constrained layout: matplotlib's own measure of
+    # each panel with its tick labels, axis labels and title must stay inside the figure and off its neighbours,
+    # the legend and the figure title, on the synthetic tables and on committed sweeps (long log tick labels,
+    # nine variants in the legend).
+    from matplotlib.transforms import Bbox
+
+    agg = C.Tables(agg_dir if source == "synthetic" else ROOT / "results" / source / "aggregate")
+    figs = {}
+    real_save = C.save
+    try:
+        C.save = lambda fig, out_dir, stem, formats: figs.setdefault(stem, fig) and real_save(fig, out_dir, stem,
+                                                                                             formats)
+        for stem in GRID_STEMS:
+            FIGURES[stem].make(agg, tmp_path, ("png",))
+    finally:
+        C.save = real_save
+    assert set(figs) == set(GRID_STEMS)
+    for stem, fig in figs.items():
+        with C.style():
+            r = fig._get_renderer()
+            page = Bbox.from_bounds(0, 0, fig.bbox.width, fig.bbox.height).expanded(1.0, 1.0)
+            panels = [ax.get_tightbbox(r) for ax in fig.axes]
+            others = [("legend", leg.get_window_extent(r)) for leg in fig.legends]
+            others.append(("title", fig._suptitle.get_window_extent(r)))
+        for i, box in enumerate(panels):
+            assert page.containsx(box.x0) and page.containsx(box.x1) and page.containsy(box.y0) \
+                and page.containsy(box.y1), (stem, i, box, page)
+            for j, other in enumerate(panels[i + 1:], i + 1):
+                assert not box.shrunk(0.999, 0.999).overlaps(other), (stem, "panels", i, j)
+            for name, other in others:
+                assert not box.overlaps(other), (stem, name, i, box, other)

@@ -160,6 +160,8 @@ def save(fig: Figure, out_dir: str | Path, stem: str, formats) -> list[Path]:
     # "none"'s placeholder, an extra draw before the real one, so each format costs one draw.
     with style():
         engine = fig.get_layout_engine()
+        if engine is None and hasattr(fig, _GRID_ATTR):
+            fixed_grid_layout(fig)
         if engine is not None:
             engine.execute(fig)  # what Figure.draw runs first, without the disabled draw of every artist after it
         fig.set_layout_engine(None)
@@ -182,11 +184,46 @@ def check_formats(formats) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------------------------- layout
 
+# Margins of a ``grid`` figure, inches: fixed rather than found by constrained layout, which measured every
+# panel's tick labels twice per figure (two passes) before the two draws of its PNG and PDF, a sixth of
+# `make figures`. They fit what these panels hold: a one-line y label and tick labels of up to six characters
+# left of each panel, a panel title above it, tick labels and an x label below it, a two-line figure title.
+# Rows that share their x axis (``sharex="col"``) have neither x labels nor titles between them.
+GRID_MARGINS_IN = {"left": 0.95, "wspace": 0.95, "top": 0.75, "hspace": 0.88, "hspace_shared_x": 0.22,
+                   "bottom": 0.5, "right": 0.12}
+_GRID_ATTR = "_roundalign_grid"  # (nrows, ncols, sharex) of a figure made by grid(): see fixed_grid_layout
+
+
 def grid(nrows: int, ncols: int, *, sharex=False, sharey=False) -> tuple[Figure, np.ndarray]:
     width = max(PANEL_SIZE_IN[0] * ncols + 1.3, MIN_WIDTH_IN)
-    fig = Figure(figsize=(width, PANEL_SIZE_IN[1] * nrows + 0.7), layout="constrained")
+    fig = Figure(figsize=(width, PANEL_SIZE_IN[1] * nrows + 0.7))
     axes = fig.subplots(nrows, ncols, squeeze=False, sharex=sharex, sharey=sharey)
+    setattr(fig, _GRID_ATTR, (nrows, ncols, sharex))
     return fig, axes
+
+
+def fixed_grid_layout(fig: Figure) -> None:
+    """Place a ``grid`` figure's panels with ``GRID_MARGINS_IN``, the figure legend (if any) centred in the room
+    it needs on the right (its width is measured: the one artist whose size varies much between figures) and
+    the title at the top."""
+    width, height = fig.get_size_inches()
+    m = GRID_MARGINS_IN
+    legend_in = 0.0
+    if fig.legends:
+        leg = fig.legends[0]
+        leg.set_loc("center right")
+        leg.set_bbox_to_anchor((1 - m["right"] / width, 0.5), transform=fig.transFigure)
+        legend_in = leg.get_window_extent(fig._get_renderer()).width / fig.dpi + 0.1  # the renderer layout engines use
+    nrows, ncols, sharex = getattr(fig, _GRID_ATTR)
+    hspace = m["hspace_shared_x" if sharex == "col" else "hspace"]
+    panel_w = (width - m["left"] - m["right"] - legend_in - (ncols - 1) * m["wspace"]) / ncols
+    panel_h = (height - m["top"] - m["bottom"] - (nrows - 1) * hspace) / nrows
+    fig.subplots_adjust(left=m["left"] / width, right=1 - (m["right"] + legend_in) / width,
+                        bottom=m["bottom"] / height, top=1 - m["top"] / height,
+                        wspace=m["wspace"] / panel_w, hspace=hspace / panel_h)
+    if fig._suptitle is not None:
+        fig._suptitle.set_y(1 - 0.06 / height)
+        fig._suptitle.set_verticalalignment("top")
 
 
 def wrapped_grid(n: int) -> tuple[Figure, np.ndarray]:
