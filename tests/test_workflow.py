@@ -237,3 +237,24 @@ def test_demo_runs_the_smoke_sweep_under_its_own_name(wf):
     assert job_counts(res.stdout)["train"] == 12
     assert "results/demo/runs/tiny-qwen3-untied/full/seed0/run.json" in res.stdout
     assert "results/smoke/" not in res.stdout
+
+
+def test_a_missing_job_interpreter_stops_the_sweep_before_any_job(wf):
+    # configs/vllm-cpu.yaml runs train and probe jobs with .venv-vllm/bin/python: in a checkout without that
+    # environment the sweep must stop at once, naming the key and the command that builds it, not fail each train
+    # job with exit 127 after the models were built and warm-started. A dry run still works.
+    (wf / "missing.yaml").write_text(yaml.safe_dump({"python": ".venv-vllm/bin/python"}))
+    assert smk(wf, "-n", "--configfile", "configs/smoke.yaml", "missing.yaml").returncode == 0
+    res = smk(wf, "--cores", "1", "--configfile", "configs/smoke.yaml", "missing.yaml")
+    assert res.returncode != 0
+    assert "python='.venv-vllm/bin/python': no such interpreter" in res.stdout + res.stderr
+    assert "make vllm-env" in res.stdout + res.stderr
+    assert not (wf / "work").exists() and not (wf / "results").exists()  # no job ran
+    # an interpreter that exists passes the same check
+    from roundalign.sweep import Sweep
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((wf / "configs/smoke.yaml").read_text()) | {"python": sys.executable}
+    validate(cfg, str(wf / "workflow/schemas/sweep.schema.yaml"), set_default=True)
+    assert Sweep(cfg).interpreter_problem(wf) is None
+    assert "no such interpreter" in Sweep(cfg | {"python": "nope/bin/python"}).interpreter_problem(wf)

@@ -10,6 +10,7 @@ name the key, e.g. ``models.qwen3-4b.train.prompts_per_step``, before any job ru
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -206,6 +207,22 @@ class Sweep:
     def python(self) -> str:
         """The interpreter of train and probe jobs (``python:``), shell-quoted."""
         return shlex.quote(self.config.get("python", "python"))
+
+    def interpreter_problem(self, cwd: str | Path = ".") -> str | None:
+        """Why ``python:`` cannot run the train and probe jobs, or None. Only a path is checked (a bare name is
+        looked up on PATH by each job's shell): it must be an executable file, relative paths taken from ``cwd``
+        (Snakemake's working directory). Checked when a sweep starts, not at parse time, so that dry runs of a
+        config whose second environment is not built yet still work (the Snakefile's ``onstart``)."""
+        python = self.config.get("python", "python")
+        if os.sep not in python and "/" not in python:
+            return None
+        path = Path(cwd) / python
+        if path.is_file() and os.access(path, os.X_OK):
+            return None
+        hint = ("create it with `make vllm-env` (vLLM's CPU build in its own environment)" if ".venv-vllm" in python
+                else "create that environment, or set python: to an interpreter that exists")
+        return (f"python={python!r}: no such interpreter (from {Path(cwd).resolve()}); the train and probe jobs run "
+                f"it: {hint}")
 
     def launcher(self, model: str) -> str:
         """What runs ``-m roundalign``: the sweep's ``python`` (default ``python`` from PATH: the active environment,

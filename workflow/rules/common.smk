@@ -8,6 +8,14 @@ try:
 except ConfigError as exc:
     raise ValueError(f"invalid sweep config: {exc}") from None
 
+
+# Before the first job of a real run (not a dry run): a `python:` path that does not exist would otherwise fail
+# every train and probe job with exit 127, after the model builds and warm starts.
+onstart:
+    if problem := SWEEP.interpreter_problem():
+        raise ValueError(f"invalid sweep config: {problem}")
+
+
 WORK = str(SWEEP.workdir)
 LOGS = f"logs/{SWEEP.name}"
 RESULTS = f"results/{SWEEP.name}"
