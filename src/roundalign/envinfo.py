@@ -32,6 +32,32 @@ def git_sha(repo: str | Path | None = None) -> str:
         return "unknown"
 
 
+# CPU features that select the kernels a CPU run executes (ATen's dispatch level, oneDNN's bf16 GEMMs, the vector
+# width of Inductor's generated code), hence its last bits: runs reproduce bitwise only where these agree.
+_KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "avx512_vnni",
+                 "avx_vnni", "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def cpu_kernels() -> dict:
+    """What decides which CPU kernels (so which rounding) a run gets: the CPU model, ATen's dispatch capability
+    (``torch.backends.cpu.get_cpu_capability``) and the kernel-selecting ISA flags of ``/proc/cpuinfo``.
+    The committed CPU results reproduce bitwise on a machine with the same record (tests/test_reproduce.py)."""
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa": [f for f in _KERNEL_FLAGS if f in flags]}
+
+
 def environment_info() -> dict:
     import torch
 
@@ -44,4 +70,4 @@ def environment_info() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"versions": versions, "python": platform.python_version(), "git_sha": git_sha(),
             "device": "cuda" if gpu else "cpu", "gpu_name": gpu, "torch_num_threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine()}
+            "cpu": platform.processor() or platform.machine(), "cpu_kernels": cpu_kernels()}
