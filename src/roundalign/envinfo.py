@@ -44,17 +44,15 @@ def cpu_kernels() -> dict:
     The committed CPU results reproduce bitwise on a machine with the same record (tests/test_reproduce.py)."""
     import torch
 
-    model, flags = platform.processor() or platform.machine(), set()
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
-                model = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = set(value.split())
+            fields.setdefault(key.strip(), value.strip())  # the first CPU's
     except OSError:
         pass
-    return {"model": model, "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"model": fields.get("model name") or platform.processor() or platform.machine(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
             "isa": [f for f in _KERNEL_FLAGS if f in flags]}
 
 

@@ -160,10 +160,10 @@ def save(fig: Figure, out_dir: str | Path, stem: str, formats) -> list[Path]:
     # "none"'s placeholder, an extra draw before the real one, so each format costs one draw.
     with style():
         engine = fig.get_layout_engine()
-        if engine is None and hasattr(fig, _GRID_ATTR):
-            fixed_grid_layout(fig)
         if engine is not None:
             engine.execute(fig)  # what Figure.draw runs first, without the disabled draw of every artist after it
+        elif hasattr(fig, _GRID_ATTR):
+            fixed_grid_layout(fig)
         fig.set_layout_engine(None)
     paths = []
     for fmt in formats:
@@ -191,14 +191,14 @@ def check_formats(formats) -> tuple[str, ...]:
 # Rows that share their x axis (``sharex="col"``) have neither x labels nor titles between them.
 GRID_MARGINS_IN = {"left": 0.95, "wspace": 0.95, "top": 0.75, "hspace": 0.88, "hspace_shared_x": 0.22,
                    "bottom": 0.5, "right": 0.12}
-_GRID_ATTR = "_roundalign_grid"  # (nrows, ncols, sharex) of a figure made by grid(): see fixed_grid_layout
+_GRID_ATTR = "_roundalign_grid"  # the sharex of a figure made by grid(), which fixed_grid_layout lays out
 
 
 def grid(nrows: int, ncols: int, *, sharex=False, sharey=False) -> tuple[Figure, np.ndarray]:
     width = max(PANEL_SIZE_IN[0] * ncols + 1.3, MIN_WIDTH_IN)
     fig = Figure(figsize=(width, PANEL_SIZE_IN[1] * nrows + 0.7))
     axes = fig.subplots(nrows, ncols, squeeze=False, sharex=sharex, sharey=sharey)
-    setattr(fig, _GRID_ATTR, (nrows, ncols, sharex))
+    setattr(fig, _GRID_ATTR, sharex)
     return fig, axes
 
 
@@ -214,8 +214,8 @@ def fixed_grid_layout(fig: Figure) -> None:
         leg.set_loc("center right")
         leg.set_bbox_to_anchor((1 - m["right"] / width, 0.5), transform=fig.transFigure)
         legend_in = leg.get_window_extent(fig._get_renderer()).width / fig.dpi + 0.1  # the renderer layout engines use
-    nrows, ncols, sharex = getattr(fig, _GRID_ATTR)
-    hspace = m["hspace_shared_x" if sharex == "col" else "hspace"]
+    nrows, ncols = fig.axes[0].get_subplotspec().get_gridspec().get_geometry()
+    hspace = m["hspace_shared_x" if getattr(fig, _GRID_ATTR) == "col" else "hspace"]
     panel_w = (width - m["left"] - m["right"] - legend_in - (ncols - 1) * m["wspace"]) / ncols
     panel_h = (height - m["top"] - m["bottom"] - (nrows - 1) * hspace) / nrows
     fig.subplots_adjust(left=m["left"] / width, right=1 - (m["right"] + legend_in) / width,
