@@ -95,15 +95,16 @@ def engines():
     return _Engines()
 
 
+def next_token_logps(logits, s):
+    """log p(s[i+1] | s[:i+1]) from the logits of positions 0..len(s)-2, in fp32."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1)
+
+
 def trainer_logps(model, variant, engine, attn, kernels=None):
     model.set_attn_implementation(attn)
     apply_alignment(model, variant, engine, kernels=kernels)
-    out = []
     with torch.no_grad():
-        for s in _sequences():
-            lg = model(input_ids=torch.tensor([s])).logits[0, :-1].float()
-            out.append(torch.log_softmax(lg, -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1))
-    return out
+        return [next_token_logps(model(input_ids=torch.tensor([s])).logits[0, :-1], s) for s in _sequences()]
 
 
 def mismatch(train, eng):
@@ -145,17 +146,14 @@ def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, 
     del llm
     gc.collect()
 
-    def logp(logits):
-        return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1)
-
     model.set_attn_implementation("vllm_cpu")
     apply_alignment(model, "full", "vllm-cpu-compiled")
     with torch.no_grad():
-        trainer = logp(model(input_ids=torch.tensor([s])).logits[0, :-1])
+        trainer = next_token_logps(model(input_ids=torch.tensor([s])).logits[0, :-1], s)
     emulated = {}
     for red in ("inductor", "opaque"):
         em = EngineModel(model, engine="vllm-cpu-compiled", attn="vllm_cpu", norm_reduction=red)
-        emulated[red] = logp(em.forward(torch.tensor([s]), em.new_cache())[0, :-1])
+        emulated[red] = next_token_logps(em.forward(torch.tensor([s]), em.new_cache())[0, :-1], s)
     assert torch.equal(emulated["inductor"], real)
     assert torch.equal(emulated["opaque"], trainer)
     differ = int((trainer != real).sum())
@@ -194,11 +192,8 @@ def test_what_full_misses_against_the_compiled_engine_is_inductors_norm_reductio
     model.set_attn_implementation("vllm_cpu")
     apply_alignment(model, "full", "vllm-cpu-compiled")
     em = EngineModel(model, engine="vllm-cpu-compiled", attn="vllm_cpu", norm_reduction="inductor")
-    got = []
     with torch.no_grad():
-        for s in _sequences():
-            lg = em.forward(torch.tensor([s]), em.new_cache())[0, :-1].float()
-            got.append(torch.log_softmax(lg, -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1))
+        got = [next_token_logps(em.forward(torch.tensor([s]), em.new_cache())[0, :-1], s) for s in _sequences()]
     exact, n, k3, _ = mismatch(got, eng)
     assert exact == n, f"emulated one graph (Inductor's reduction) vs real compiled engine: {exact}/{n}, k3 {k3:.2e}"
 
