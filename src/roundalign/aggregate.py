@@ -49,7 +49,7 @@ from .io import atomic_write_csv
 RUNS_COLUMNS = ("sweep", "model", "variant", "seed", "step", "metric", "value", "status")
 RUN_STATUS_COLUMNS = ("sweep", "model", "variant", "seed", "status", "last_step", "collapse_step",
                       "collapse_reason", "reward_collapse_step", "wall_time_s", "git_sha", "torch_version",
-                      "transformers_version", "trl_version", "gpu_name")
+                      "transformers_version", "trl_version", "gpu_name", "cpu_kernels")
 PROBE_COLUMNS = ("sweep", "model", "engine", "variant", "level", "metric", "value")
 PROBE_LAYERS_COLUMNS = ("sweep", "model", "engine", "variant", "layer", "metric", "value")
 OUTPUT_FILES = {"runs": "runs.csv", "run_status": "run_status.csv", "probe": "probe.csv",
@@ -198,6 +198,10 @@ def _read_run(run_dir: Path, sweep: str, model: str, variant: str, seed: int, wa
         "wall_time_s": rec.get("wall_time_s"), "git_sha": rec.get("git_sha"),
         "torch_version": versions.get("torch"), "transformers_version": versions.get("transformers"),
         "trl_version": versions.get("trl"), "gpu_name": rec.get("gpu_name"),
+        # the CPU kernels the run was computed with (roundalign.envinfo.cpu_kernels), as compact JSON: sweeps that
+        # commit only their aggregate (the stress sweep) keep in it what a bitwise rerun must match
+        "cpu_kernels": None if rec.get("cpu_kernels") is None
+        else json.dumps(rec["cpu_kernels"], sort_keys=True, separators=(",", ":")),
     }
     rows = [(sweep, model, variant, seed, r["step"], k, math.nan if v is None else float(v), status)
             for r in records for k, v in r.items() if k != "step"]
