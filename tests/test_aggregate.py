@@ -247,6 +247,13 @@ def test_a_real_engine_probes_layer_table_is_named_for_the_emulated_engine_it_co
     (tmp_path / "probe/m2/e.json").write_text(json.dumps({"backend": "vllm"}))
     pd.DataFrame(layer, columns=list(PROBE_LAYERS_COLUMNS[1:])).to_csv(tmp_path / "probe/m2/e_teacher_forced_layers.csv",
                                                                        index=False)
+    # eager mode also writes the emulated engine against the real one per layer: no variant, no aggregate table
+    pd.DataFrame([("m2", "e", "sdpa", 0, "hidden_rel_err_rms", 0.0)],
+                 columns=["model", "engine", "emulated_attn", "layer", "metric", "value"]).to_csv(
+        tmp_path / "probe/m2/e_engine_layers.csv", index=False)
+    agg = collect(tmp_path)
+    # the tables' own engine column says "e": no disagreement, and nothing skipped
+    assert agg.warnings == [] and agg.skipped == []
     aggregate(tmp_path, tmp_path / "agg", log=lambda _: None)
     layers = pd.read_csv(tmp_path / "agg" / "probe_layers.csv")
     assert sorted(zip(layers["model"], layers["engine"])) == [("m1", "e"), ("m2", "e_emulated"),

@@ -217,7 +217,8 @@ def _real_engine_probe(meta: Path) -> bool:
 
 
 def _read_probe_csv(path: Path, kind_columns: tuple[str, ...], sweep: str, model: str, engine: str,
-                    warnings: list[str]) -> pd.DataFrame:
+                    warnings: list[str], own_engine: str | None = None) -> pd.DataFrame:
+    """One probe table, labelled ``engine``; ``own_engine`` (default ``engine``) is what its engine column should say."""
     need = [c for c in kind_columns if c != "sweep"]
     try:
         df = pd.read_csv(path, dtype=str, keep_default_na=False)
@@ -241,7 +242,7 @@ def _read_probe_csv(path: Path, kind_columns: tuple[str, ...], sweep: str, model
         df["layer"] = layer.astype("int64")
     # only the engine is checked: the probe's model column is a label (the model directory's name, which
     # is "policy" for every model of a sweep), so the path's model name is the identity
-    others = sorted(set(df["engine"]) - {engine})
+    others = sorted(set(df["engine"]) - {own_engine or engine})
     if others:
         warnings.append(f"{path}: engine {', '.join(map(repr, others))} disagree(s) with the path; the path wins")
     df = df.assign(sweep=sweep, model=model, engine=engine, value=value.astype("float64"))
@@ -285,15 +286,24 @@ def collect(results_root: str | Path, sweep: str | None = None) -> Aggregate:
 
     probes, layers = [], []
     for path in sorted(probe_dir.glob("*/*.csv")) if probe_dir.is_dir() else []:
+        if path.stem.endswith("_engine_layers") and _real_engine_probe(path.with_name(
+                path.stem[: -len("_engine_layers")] + ".json")):
+            # probe --backend vllm, eager: the emulated engine against the real one per layer (no variant: it
+            # compares two engines, not an alignment); scripts read it directly, no aggregate table holds it
+            continue
         is_layers = path.stem.endswith("_layers")
         engine = path.stem[: -len("_layers")] if is_layers else path.stem
         if is_layers and _real_engine_probe(path.parent / f"{engine}.json"):
             # probe --backend vllm: <engine>_layers.csv is the trainer against the EMULATED engine (the real one's
             # layers are <engine>_teacher_forced_layers.csv), named like its token table <engine>_emulated.csv
             engine += "_emulated"
+        # a real-engine probe's other tables (<engine>_emulated, <engine>_teacher_forced[_layers]) carry the
+        # engine's own name inside: that agrees with the path
+        own = next((engine[: -len(sfx)] for sfx in ("_emulated", "_teacher_forced") if engine.endswith(sfx)
+                    and _real_engine_probe(path.parent / f"{engine[: -len(sfx)]}.json")), engine)
         try:
             df = _read_probe_csv(path, PROBE_LAYERS_COLUMNS if is_layers else PROBE_COLUMNS, sweep,
-                                 path.parent.name, engine, warnings)
+                                 path.parent.name, engine, warnings, own)
         except _BadFile as exc:
             _bad(skipped, exc)
             continue
