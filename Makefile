@@ -61,10 +61,11 @@ export ROUNDALIGN_SLURM_DIR ?= /tmp/roundalign-slurm
 
 # The two environments' suites run side by side on a machine with 2+ cores (each is mostly one torch thread);
 # TEST_PARALLEL=0 runs them one after the other. tests/vllm_cpu takes about half the main suite's time, so the
-# second stream also runs TEST_SECOND_STREAM (main-suite files, in .venv) once it is done: measured on 2 cores, the
-# main suite alone took 29 min beside a 15-min vllm_cpu stream.
+# second stream also runs TEST_SECOND_STREAM (main-suite files, in .venv) once it is done. Measured on 2 cores: the
+# main suite alone took 29 min beside a 15-min vllm_cpu stream; with slurm and hf_model_tests moved, 29 min 42 s
+# beside 22 min (both streams slow each other: ~52 min of work on 2 cores), so torch_compile (~4 min) moved too.
 TEST_PARALLEL ?= 1
-TEST_SECOND_STREAM ?= tests/test_slurm.py tests/test_hf_model_tests.py
+TEST_SECOND_STREAM ?= tests/test_slurm.py tests/test_hf_model_tests.py tests/test_torch_compile.py
 # Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
 # yet; stop it afterwards only if this run started it, keeping pytest's exit status.
 test: $(STAMP) $(VLLM_STAMP)
