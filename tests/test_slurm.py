@@ -1,7 +1,7 @@
 """The sweep on a real SLURM cluster: `workflow/profiles/slurm` with the real executor plugin (sbatch, srun,
 squeue), against the one-node cluster of `make slurm-up` (scripts/slurm_local.sh). Not a dry run.
 
-One reduced sweep (one tiny model x baseline/rope/full, 24 steps) goes through the profile while a local run
+One reduced sweep (one tiny model x baseline/rope/full, 16 steps) goes through the profile while a local run
 of the same config gives the reference; meanwhile
   - the `full` training job is preempted (`scontrol requeue`) once it has a checkpoint,
   - the training command of `rope` is killed (SIGKILL, a crash) once it has a checkpoint,
@@ -80,8 +80,8 @@ def _copy_workflow(dest: Path) -> Path:
     cfg["sweep"] = SWEEP
     cfg["models"] = {MODEL: {"source": "tiny", "tiny": {"arch": "qwen3", "tie": True, "pretrain_steps": 40}}}
     cfg["variants"] = list(VARIANTS)
-    cfg["train"].update(steps=24, checkpoint_every=4)
-    cfg["probe"] = {"engines": ["vllm-compiled"], "prompts": 4, "max_new_tokens": 8}
+    cfg["train"].update(steps=16, checkpoint_every=4)
+    cfg["probe"] = {"engines": ["vllm-eager"], "prompts": 4, "max_new_tokens": 8}
     (dest / "reduced.yaml").write_text(yaml.safe_dump(cfg))
     return dest
 
@@ -253,12 +253,12 @@ def test_the_sweep_runs_through_the_slurm_profile_and_equals_a_local_run(sweep):
     # its job (rule-level `retries` also apply within the job step)
     assert len(submitted) == len(remote_rules) == 6
     for path in (f"results/{SWEEP}/aggregate/runs.csv", f"results/{SWEEP}/aggregate/probe.csv",
-                 f"results/{SWEEP}/probe/{MODEL}/vllm-compiled.csv", f"figures/{SWEEP}/fig_reward.png",
+                 f"results/{SWEEP}/probe/{MODEL}/vllm-eager.csv", f"figures/{SWEEP}/fig_reward.png",
                  f"figures/{SWEEP}/fig_probe.pdf", f"figures/{SWEEP}/summary.md"):
         assert (sweep.slurm_wf / path).is_file(), path
     for variant in VARIANTS:
         slurm_rows, local_rows = _metrics(sweep.slurm_wf, variant), _metrics(sweep.local_wf, variant)
-        assert len(slurm_rows) == 24, variant
+        assert len(slurm_rows) == 16, variant
         assert slurm_rows == local_rows, variant
         assert _run(sweep.slurm_wf, variant)["status"] == "done"
 
@@ -272,7 +272,7 @@ def test_a_preempted_training_job_is_requeued_resumes_and_matches_an_uninterrupt
     # SLURM restarted the same job (same id): Snakemake submitted `full` once
     assert [line.split("|")[3] for line in sweep.squeue.splitlines()].count(_comment("full")) == 1
     checkpoints = sorted(p.name for p in (sweep.run_dir["full"] / "checkpoints").glob("checkpoint-*"))
-    assert checkpoints and "checkpoint-24" in checkpoints, checkpoints
+    assert checkpoints and "checkpoint-16" in checkpoints, checkpoints
     assert _metrics(sweep.slurm_wf, "full") == _metrics(sweep.local_wf, "full")
 
 

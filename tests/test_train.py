@@ -105,7 +105,7 @@ def test_sigterm_checkpoints_and_rerun_resumes_to_the_uninterrupted_result(sft_m
 def test_sigkill_mid_run_resumes_from_the_last_periodic_checkpoint(sft_model, tmp_path):
     # A real process killed without warning: metrics lines written after the newest checkpoint are
     # dropped on resume and recomputed, so the final file still equals an uninterrupted run's.
-    args = ["--model", sft_model, "--variant", "full", "--steps", "40", *sum((["--set", f"{k}={v}"] for k, v in
+    args = ["--model", sft_model, "--variant", "full", "--steps", "16", *sum((["--set", f"{k}={v}"] for k, v in
                                                                                {**FAST, "checkpoint_every": 4}.items()),
                                                                               [])]
     ref = tmp_path / "ref"

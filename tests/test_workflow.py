@@ -118,8 +118,8 @@ def test_smoke_sweep_for_one_tiny_model_end_to_end_with_a_preempted_job(wf):
     # checkpoint: it exits 143, Snakemake retries it (rule retries) and the retry resumes from the
     # checkpoint, which stayed in the workdir outside the job's declared outputs.
     overlay = {"models": {"tiny-qwen3-tied": {"source": "tiny", "tiny": {"arch": "qwen3", "pretrain_steps": 150}}},
-               "variants": ["baseline", "full"], "train": {"steps": 24, "checkpoint_every": 4},
-               "probe": {"engines": ["vllm-compiled"], "prompts": 4, "max_new_tokens": 8}}
+               "variants": ["baseline", "full"], "train": {"steps": 12, "checkpoint_every": 4},
+               "probe": {"engines": ["vllm-eager"], "prompts": 4, "max_new_tokens": 8}}
     cfg = yaml.safe_load((wf / "configs/smoke.yaml").read_text())
     cfg["models"] = overlay["models"]
     cfg.update(variants=overlay["variants"], probe=overlay["probe"])
@@ -150,7 +150,7 @@ def test_smoke_sweep_for_one_tiny_model_end_to_end_with_a_preempted_job(wf):
     run = yaml.safe_load((wf / "results/smoke/runs/tiny-qwen3-tied/full/seed0/run.json").read_text())
     assert run["status"] == "done" and run["resumed_from"]
     lines = (wf / "results/smoke/runs/tiny-qwen3-tied/full/seed0/metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 24
+    assert len(lines) == 12
 
 
 def test_report_captions_are_the_plot_captions():
