@@ -50,7 +50,8 @@ class TrainConfig:
         engine: Engine rounding to align to and, for vllm, the vLLM mode launched:
             "vllm-compiled" (default CUDA-graph/Inductor path) or "vllm-eager" (enforce_eager=True) on a GPU;
             "vllm-cpu-compiled" (one Inductor graph) or "vllm-cpu-eager" for vLLM's CPU build.
-        attn: Attention implementation on both sides: "eager" or "sdpa".
+        attn: Attention implementation on both sides: "eager", "sdpa" or "vllm_cpu" (vLLM-CPU's own kernel: the
+            engine's forward with SDPA's gradient; needs vLLM's CPU build and a CPU or the emulated engine).
         engine_gemm: Emulated engine only: "same" (the trainer's GEMMs) or "splitk".
         engine_attn_decode: Emulated engine only: attention kernel of decode steps (one new token against the KV
             cache), "eager" or "sdpa"; None = the same as ``attn`` (prefill always uses ``attn``). A value other

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
+from .engine.choices import ATTN_IMPLS  # eager, sdpa, vllm_cpu
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ATTN_IMPLS = ("eager", "sdpa")
 TINY_META_FILE = "roundalign_tiny.json"  # kept in sync with roundalign.tiny.META_FILE
 
 # A hub repo id: "name" or "org/name" (letters, digits, '-', '_', '.'; no leading '.' / '-').
@@ -105,8 +106,13 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=True
+        path, dtype=DTYPES[dtype], attn_implementation="eager" if attn == "vllm_cpu" else attn, local_files_only=True
     )
+    if attn == "vllm_cpu":  # vLLM's CPU kernel (forward) with SDPA's gradient; registered here, then switched to
+        from . import vllm_cpu
+
+        vllm_cpu.register()
+        model.set_attn_implementation("vllm_cpu")
     model.eval()
     from .numerics.patch import apply_alignment, recorded_alignment
 

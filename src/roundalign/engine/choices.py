@@ -1,10 +1,10 @@
 """The emulated engine's option names, importable without torch (the sweep's config checks read them on every
 Snakemake invocation; ``roundalign.engine`` itself imports torch and transformers)."""
 
-ATTN_IMPLS = ("eager", "sdpa")
-# the emulated engine and the probe's trainer side may also attend with vLLM's own CPU kernel (roundalign.vllm_cpu;
-# forward only, so not a training choice)
-ENGINE_ATTN_IMPLS = ATTN_IMPLS + ("vllm_cpu",)
+# vllm_cpu: vLLM's own CPU attention kernel (roundalign.vllm_cpu; needs vLLM's CPU build): in the emulated engine,
+# the probe's trainer side and training, where it runs as the engine's forward with SDPA's gradient
+ATTN_IMPLS = ("eager", "sdpa", "vllm_cpu")
+ENGINE_ATTN_IMPLS = ATTN_IMPLS
 ENGINE_GEMMS = ("same", "splitk")
 NORM_REDUCTIONS = ("opaque", "inductor")
 # vLLM's ``--kv-cache-dtype`` names: "auto" keeps K/V in the model dtype; the fp8 formats store them quantized
