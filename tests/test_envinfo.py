@@ -24,3 +24,17 @@ def test_dirty_means_code_not_outputs(tmp_path):
     assert git_sha(repo / "src") == sha
     (repo / "src" / "f.txt").write_text("1\n")
     assert git_sha(repo / "src") == sha + "+dirty"
+
+
+def test_kernel_selection_ignores_the_cpu_name_and_vnni_but_not_amx():
+    from roundalign.envinfo import kernel_selection
+
+    epyc = {"model": "AMD EPYC", "torch_capability": "AVX512",
+            "isa": ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"]}
+    # the same kernels under another name with avx_vnni: the smoke cells and `make demo` reran bitwise there
+    other = {**epyc, "model": "AMD EPYC 9R14", "isa": epyc["isa"] + ["avx_vnni"]}
+    assert kernel_selection(epyc) == kernel_selection(other)
+    # oneDNN's AMX kernels round bf16 GEMMs differently from its AVX-512 BF16 ones, and ATen's level selects too
+    assert kernel_selection(epyc) != kernel_selection({**epyc, "isa": epyc["isa"] + ["amx_tile", "amx_bf16"]})
+    assert kernel_selection(epyc) != kernel_selection({**epyc, "torch_capability": "AVX2"})
+    assert kernel_selection(None) is None

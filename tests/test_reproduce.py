@@ -14,8 +14,8 @@ copy of the workflow, with their committed configs unchanged, and must give the 
   that environment the cell skips, naming ``make vllm-env``; under ``CI=true`` it fails instead.
 A change to what the pipeline computes fails here until the committed results are regenerated.
 
-Bitwise holds on a machine whose CPU kernels (``roundalign.envinfo.cpu_kernels``: CPU model, ATen's dispatch level,
-the kernel-selecting ISA flags) are those the committed run recorded (its run.json, or for the stress sweep its row of
+Bitwise holds on a machine whose CPU kernels (``roundalign.envinfo.kernel_selection``: ATen's dispatch level and
+the kernel-selecting ISA flags, not the CPU's name or VNNI) are those the committed run recorded (its run.json, or for the stress sweep its row of
 ``run_status.csv``); a cell computed elsewhere, or before the record existed, is skipped with both records named.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from roundalign.envinfo import cpu_kernels
+from roundalign.envinfo import cpu_kernels, kernel_selection
 from roundalign.plots._common import load_table
 from roundalign.train import TIMING_KEYS
 
@@ -76,11 +76,11 @@ def _not_here(cell) -> str | None:
             pytest.fail(f"CI=true: {why}")
         return why
     recorded, here = _recorded_kernels(*cell), cpu_kernels()
-    if recorded == here:
+    if recorded is not None and kernel_selection(recorded) == kernel_selection(here):
         return None
-    return (f"committed results/{cell[0]} were computed with CPU kernels {recorded or '(not recorded)'}; this machine "
-            f"has {here}: its rounding differs, so a bitwise rerun is not expected here (rerun the sweep on this "
-            "machine to check it)")
+    return (f"committed results/{cell[0]} were computed with CPU kernels {kernel_selection(recorded) or '(not recorded)'}"
+            f"; this machine selects {kernel_selection(here)}: its rounding differs, so a bitwise rerun is not "
+            "expected here (rerun the sweep on this machine to check it)")
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,24 @@ _KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"
                  "avx_vnni", "amx_tile", "amx_bf16", "asimd", "sve")
 
 
+# Recorded, but not part of what selects a bf16/fp32 kernel: VNNI is int8/int16 dot products (oneDNN's int8 GEMMs),
+# and the CPU's model name selects nothing by itself. Measured: an AMD EPYC with AVX-512 BF16 that also reports
+# avx_vnni reran two smoke cells and a whole `make demo` bitwise equal to results made on one without it. AMX does
+# select kernels: bf16 F.linear on this project's tiny-model shapes differs in 1e-4 of elements between oneDNN's AMX
+# kernels and the same CPU capped at AVX512_CORE_BF16 (ONEDNN_MAX_CPU_ISA; measured on an Intel Xeon with AMX).
+_NOT_KERNEL_SELECTING = ("avx512_vnni", "avx_vnni")
+
+
+def kernel_selection(record: dict | None) -> dict | None:
+    """The part of a ``cpu_kernels`` record that selects the kernels of a bf16/fp32 run, hence its last bits: ATen's
+    dispatch capability and the kernel-selecting ISA flags (not the CPU's name, not VNNI). Two runs are expected to
+    agree bitwise only where these are equal (tests/test_reproduce.py)."""
+    if record is None:
+        return None
+    return {"torch_capability": record.get("torch_capability"),
+            "isa": sorted(f for f in record.get("isa", []) if f not in _NOT_KERNEL_SELECTING)}
+
+
 def cpu_kernels() -> dict:
     """What decides which CPU kernels (so which rounding) a run gets: the CPU model, ATen's dispatch capability
     (``torch.backends.cpu.get_cpu_capability``) and the kernel-selecting ISA flags of ``/proc/cpuinfo``.
