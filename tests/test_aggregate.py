@@ -56,7 +56,8 @@ def tree(tmp_path):
               status="collapsed", collapse={"step": 2, "reason": "non-finite optim/grad_norm=nan"},
               reward_collapse={"step": 2, "reason": "rolling mean fell"},
               run_json={"cpu_kernels": {"model": "AMD EPYC 9004", "torch_capability": "AVX512",
-                                        "isa": ["avx512f", "avx512_bf16"]}})
+                                        "isa": ["avx512f", "avx512_bf16"]},
+                        "config": {"attn": "vllm_cpu", "model": "work/models/tiny/m0/policy"}})
     write_probe(root, "m1", "vllm-compiled",
                 [("policy", "vllm-compiled", "full", "token", "mismatch_k3", 0.0),
                  ("policy", "vllm-compiled", "baseline", "token", "mismatch_k3", 2.5e-4)],
@@ -95,6 +96,9 @@ def test_hand_checked_tables(tree, capsys):
     assert json.loads(row["cpu_kernels"]) == {"model": "AMD EPYC 9004", "torch_capability": "AVX512",
                                               "isa": ["avx512f", "avx512_bf16"]}
     assert pd.isna(status[status["variant"] == "baseline"]["cpu_kernels"].item())
+    # the trainer's attention and the policy trained (a base: entry shares its base's directory), where recorded
+    assert (row["attn"], row["policy"]) == ("vllm_cpu", "m0")
+    assert pd.isna(status[status["variant"] == "baseline"]["attn"].item())
 
     probe = pd.read_csv(out / "probe.csv")
     assert tuple(probe.columns) == PROBE_COLUMNS

@@ -398,3 +398,21 @@ def test_grid_figures_keep_every_label_inside_the_figure_and_off_the_other_panel
                 assert not box.shrunk(0.999, 0.999).overlaps(other), (stem, "panels", i, j)
             for name, other in others:
                 assert not box.overlaps(other), (stem, name, i, box, other)
+
+
+def test_learning_gain_and_its_interval_over_seeds_and_steps():
+    from roundalign.plots.summary import learning
+
+    # constant windows: only the seeds vary, so the resampled gains are the means of 2 picks from {0.3, 0.2}
+    runs = [(np.full(10, 0.2), np.full(10, 0.5)), (np.full(10, 0.4), np.full(10, 0.6))]
+    got = learning(runs)
+    assert got["first_reward"] == pytest.approx(0.3) and got["last_reward"] == pytest.approx(0.55)
+    assert got["reward_gain"] == pytest.approx(0.25)
+    assert (got["gain_lo"], got["gain_hi"]) == (pytest.approx(0.2), pytest.approx(0.3))
+    # one seed: the interval is that of the steps; a first window of half 0s and half 1s against a last of 1s
+    one = learning([(np.array([0.0] * 5 + [1.0] * 5), np.ones(10))])
+    assert one["reward_gain"] == pytest.approx(0.5) and 0 < one["gain_lo"] < 0.5 < one["gain_hi"] <= 1.0
+    # no learning: the interval straddles 0
+    flat = learning([(np.array([0.0, 1.0] * 5), np.array([1.0, 0.0] * 5))])
+    assert flat["reward_gain"] == 0 and flat["gain_lo"] < 0 < flat["gain_hi"]
+    assert np.isnan(learning([])["reward_gain"])

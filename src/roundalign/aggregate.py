@@ -49,7 +49,7 @@ from .io import atomic_write_csv
 RUNS_COLUMNS = ("sweep", "model", "variant", "seed", "step", "metric", "value", "status")
 RUN_STATUS_COLUMNS = ("sweep", "model", "variant", "seed", "status", "last_step", "collapse_step",
                       "collapse_reason", "reward_collapse_step", "wall_time_s", "git_sha", "torch_version",
-                      "transformers_version", "trl_version", "gpu_name", "cpu_kernels")
+                      "transformers_version", "trl_version", "gpu_name", "cpu_kernels", "attn", "policy")
 PROBE_COLUMNS = ("sweep", "model", "engine", "variant", "level", "metric", "value")
 PROBE_LAYERS_COLUMNS = ("sweep", "model", "engine", "variant", "layer", "metric", "value")
 OUTPUT_FILES = {"runs": "runs.csv", "run_status": "run_status.csv", "probe": "probe.csv",
@@ -202,10 +202,23 @@ def _read_run(run_dir: Path, sweep: str, model: str, variant: str, seed: int, wa
         # commit only their aggregate (the stress sweep) keep in it what a bitwise rerun must match
         "cpu_kernels": None if rec.get("cpu_kernels") is None
         else json.dumps(rec["cpu_kernels"], sort_keys=True, separators=(",", ":")),
+        # the trainer's attention (a sweep may vary it per model entry: the attention axis of the vllm-cpu sweep)
+        # and the policy it trained (the model directory's name: entries with ``base:`` share their base's), so
+        # that arms differing only in attention can be paired
+        "attn": (rec.get("config") or {}).get("attn"),
+        "policy": _policy_name((rec.get("config") or {}).get("model") or rec.get("model")),
     }
     rows = [(sweep, model, variant, seed, r["step"], k, math.nan if v is None else float(v), status)
             for r in records for k, v in r.items() if k != "step"]
     return status_row, rows
+
+
+def _policy_name(model) -> str | None:
+    """``work/models/tiny/<name>/policy`` -> ``<name>``; another path or a hub id as it is."""
+    if not isinstance(model, str):
+        return None
+    p = Path(model)
+    return p.parent.name if p.name == "policy" and p.parent.name else model
 
 
 def _real_engine_probe(meta: Path) -> bool:
