@@ -36,6 +36,37 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
     ``roundalign.sync_check`` compares the engine synced by TRL with a fresh engine built from the masters
     rounded to bf16: bitwise equal on every step is a correct sync (``tests/vllm_cpu/test_grpo_real.py`` runs
     the same check on vLLM's CPU build).
+(f) GRPO with vLLM's own FlashAttention in the trainer (``attn=vllm_flash``, ``roundalign.vllm_flash``; needs vLLM's
+    CUDA build and a GPU whose stock vLLM backend is FlashAttention: Ampere/Ada FA2, Hopper FA3; skipped with one line
+    otherwise, and with ``--device cpu``). A tiny Qwen2 (head_dim 64) trains 3 GRPO steps with
+    ``roundalign train --backend vllm --engine vllm-eager --attn vllm_flash``, once with ``--variant full`` and once
+    with ``--variant baseline``, and once more with ``--variant full --attn sdpa`` for comparison; the per-step
+    token k3 of each run (``mismatch/token/k3`` in its metrics.jsonl) is printed. ``vllm_flash`` makes the trainer's
+    attention the call vLLM's backend makes for a *prefill* (vllm/v1/attention/backends/flash_attn.py:1450-1475 of
+    0.31.0); the engine's eager mode is the only one it reproduces (``vllm-compiled`` passes ``num_splits=32`` for
+    batches up to its CUDA-graph capture size, flash_attn.py:856-869, and train's preflight refuses it).
+
+    What the engine's decode kernel leaves. The logprobs TRL compares with the trainer's are the sampling ones:
+    TRL 1.16 asks vLLM for the sampled token's logprob (``logprobs=0``, ``logprobs_mode="processed_logprobs"``,
+    trl/generation/vllm_generation.py:361), which vLLM's sampler computes from the logits of the forward step that
+    sampled the token (vllm/v1/sample/sampler.py:102). Token 0 of a completion is sampled from the prompt's prefill
+    (the last prompt row); every later token t from a *decode* step: its request contributes one query row that reads
+    K/V from the paged cache. The backend makes no prefill/decode distinction (the same ``flash_attn_varlen_func``
+    call, flash_attn.py:1326-1475), but the batch is another one: max_seqlen_q is 1 for a decode-only step (or the
+    row shares a varlen batch with other requests' prefill chunks under chunked prefill), and FlashAttention then
+    takes its decode path: FA3 runs seqlen_q == 1 as non-causal for head_dim <= 64, packs GQA heads and splits the
+    keys by its heuristic (hopper/flash_api.cpp ``mha_fwd`` of vLLM's flash-attention fork, as read there; the
+    commit built into the 0.31.0 wheel was not compared) (vllm-compiled: up to 32 splits under full CUDA graphs),
+    which sums over the keys in another order. The K/V of completion positions were themselves computed by decode
+    steps, whose GEMMs have one row per request instead of one per token (cuBLAS may pick other kernels there; not
+    checked). The trainer rescores the whole sequence in ONE prefill, so with ``vllm_flash`` the rows of completion
+    tokens can still carry the decode-vs-prefill difference: k3 need not go to zero, and what ``vllm_flash`` removes
+    is the attention kernel's difference in prefill-shaped rows (token 0's row, the prompt's K/V). Measured once on
+    an H200 through ``roundalign.vllm_flash`` with the 0.31.0 wheel's ``_vllm_fa3_C`` (torch 2.11, outside a vLLM
+    install, by hand): decode rows were the prefill rows bitwise for 8 requests at contexts of 41-64 tokens; at
+    contexts of 512-4096 tokens 53-100% of their bf16 elements were (depending on batch and head size; fewer with
+    num_splits=32); prefill outputs did not change between num_splits 0 and 32. The tiny arith runs here are short
+    (prompt + at most 16 completion tokens), so their k3 should come mostly from the rest of the forward.
 (d) A table on stdout, and ``gpu_check.json`` + ``gpu_check.md`` in ``--out``.
 """
 
@@ -337,6 +368,78 @@ def check_training(device: torch.device, engine: str, out: Path, seed: int) -> l
     return rows
 
 
+# part (f): (variant, attn) of each 3-step run against vllm-eager
+FLASH_RUNS = (("full", "vllm_flash"), ("baseline", "vllm_flash"), ("full", "sdpa"))
+
+
+def flash_skip_reason(device: torch.device) -> str | None:
+    """Why part (f) cannot run here (vLLM's CUDA FlashAttention and a GPU whose stock backend it is), or None."""
+    from roundalign import vllm_flash
+
+    if device.type != "cuda":
+        return "attn=vllm_flash is vLLM's CUDA FlashAttention: no CUDA device (--device cpu)"
+    problem = vllm_flash.cuda_build_problem()
+    if problem:
+        return f"vLLM's CUDA build is absent: {problem}"
+    return vllm_flash.capability_problem(torch.cuda.get_device_capability(device))
+
+
+def check_flash_training(device: torch.device, out: Path, seed: int) -> list[dict]:
+    """Part (f): 3 GRPO steps with ``roundalign train --backend vllm --engine vllm-eager`` per (variant, attn) of
+    ``FLASH_RUNS``; one row per run and step with the token k3 of its metrics.jsonl."""
+    import subprocess
+
+    reason = flash_skip_reason(device)
+    if reason:
+        print(f"[flash] part (f) skipped: {reason}", flush=True)
+        return [{"skipped": reason}]
+    from roundalign.tiny import make_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_flash_"))
+    model = make_tiny("qwen2", work / "tiny", hidden=256, heads=4, layers=2, tie=False, seed=seed)  # head_dim 64
+    sets = {"learning_rate": 2e-2, "prompts_per_step": 2, "num_generations": 4, "per_device_batch_size": 8,
+            "max_completion_length": 16, "checkpoint_every": 3, "weight_decay": 1.0}
+    rows = []
+    for variant, attn in FLASH_RUNS:
+        run_dir = work / f"{variant}-{attn}"
+        cmd = [sys.executable, "-m", "roundalign", "train", "--model", str(model), "--backend", "vllm",
+               "--engine", "vllm-eager", "--variant", variant, "--attn", attn, "--steps", "3", "--seed", str(seed),
+               "--out", str(run_dir)]
+        for k, v in sets.items():
+            cmd += ["--set", f"{k}={v}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        train_s = round(time.perf_counter() - t0, 1)
+        metrics = run_dir / "metrics.jsonl"
+        if proc.returncode != 0 or not metrics.is_file():
+            tail = (proc.stdout + proc.stderr)[-2000:]
+            print(f"[flash] {variant}/{attn}: roundalign train exited {proc.returncode}\n{tail}", flush=True)
+            rows.append({"variant": variant, "attn": attn, "step": None, "k3": None, "train_s": train_s,
+                         "error": f"exit {proc.returncode}: {tail[-300:]}"})
+            continue
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line)
+            k3 = rec.get("mismatch/token/k3")
+            rows.append({"variant": variant, "attn": attn, "step": rec.get("step"), "k3": k3, "train_s": train_s})
+            print(f"[flash] variant={variant} attn={attn} step {rec.get('step')}: mismatch/token/k3 = {k3}", flush=True)
+    return rows
+
+
+def render_flash(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    if rows[0].get("skipped"):
+        return ("\n## (f) GRPO with attn=vllm_flash (vLLM's FlashAttention in the trainer)\n\n"
+                f"skipped: {rows[0]['skipped']}\n")
+    lines = ["", "## (f) GRPO against vllm-eager, per step token k3 (mismatch/token/k3)", "",
+             "| variant | attn | step | token k3 | run s |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        k3 = "-" if r.get("k3") is None else format(r["k3"], ".3e")
+        lines.append(f"| {r['variant']} | {r['attn']} | {r['step'] if r['step'] is not None else r.get('error', '-')} "
+                     f"| {k3} | {r['train_s']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -433,6 +536,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-piecewise", action="store_true", help="skip part (c), the piecewise engine check")
     p.add_argument("--skip-training", action="store_true",
                    help="skip part (e), 3 GRPO steps with real vLLM and the weight-sync check")
+    p.add_argument("--skip-flash", action="store_true",
+                   help="skip part (f), 3 GRPO steps per variant with attn=vllm_flash (vLLM's FlashAttention in the "
+                        "trainer) against vllm-eager, and their token k3")
     return p.parse_args(argv)
 
 
@@ -482,13 +588,20 @@ def main(argv=None) -> int:
         engine = args.engine if device.type == "cuda" else args.engine.replace("vllm-", "vllm-cpu-", 1)
         training_rows = check_training(device, engine, out, args.seed)
         meta["training_check_s"] = round(time.perf_counter() - t0, 1)
+    flash_rows: list[dict] = []
+    if not args.skip_flash:
+        t0 = time.perf_counter()
+        flash_rows = check_flash_training(device, out, args.seed)
+        meta["flash_check_s"] = round(time.perf_counter() - t0, 1)
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
 
-    md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows) + render_training(training_rows)
+    md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows) + render_training(training_rows) \
+        + render_flash(flash_rows)
     print(md)
     (out / "gpu_check.md").write_text(md)
     (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows,
-                                                    "piecewise": piecewise_rows, "training": training_rows},
+                                                    "piecewise": piecewise_rows, "training": training_rows,
+                                                    "flash": flash_rows},
                                                    indent=2, default=str) + "\n")
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     return 0

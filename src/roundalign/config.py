@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .engine.choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
+from .engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
 from .numerics.plan import ENGINES
 
 BACKENDS = ("emulated", "vllm")
@@ -50,8 +50,10 @@ class TrainConfig:
         engine: Engine rounding to align to and, for vllm, the vLLM mode launched:
             "vllm-compiled" (default CUDA-graph/Inductor path) or "vllm-eager" (enforce_eager=True) on a GPU;
             "vllm-cpu-compiled" (one Inductor graph) or "vllm-cpu-eager" for vLLM's CPU build.
-        attn: Attention implementation on both sides: "eager", "sdpa" or "vllm_cpu" (vLLM-CPU's own kernel: the
-            engine's forward with SDPA's gradient; needs vLLM's CPU build and a CPU or the emulated engine).
+        attn: Attention implementation on both sides: "eager", "sdpa", "vllm_cpu" (vLLM-CPU's own kernel: the
+            engine's forward with SDPA's gradient; needs vLLM's CPU build and a CPU or the emulated engine) or
+            "vllm_flash" (the trainer calls vLLM's CUDA FlashAttention as vLLM's backend calls it for a prefill,
+            with SDPA's gradient; needs vLLM's CUDA build, a GPU and engine vllm-eager).
         engine_gemm: Emulated engine only: "same" (the trainer's GEMMs) or "splitk".
         engine_attn_decode: Emulated engine only: attention kernel of decode steps (one new token against the KV
             cache), "eager" or "sdpa"; None = the same as ``attn`` (prefill always uses ``attn``). A value other
@@ -178,9 +180,9 @@ class TrainConfig:
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}")
-        if self.engine_attn_decode is not None and self.engine_attn_decode not in ATTN_IMPLS:
+        if self.engine_attn_decode is not None and self.engine_attn_decode not in ENGINE_ATTN_IMPLS:
             raise ConfigError(f"engine_attn_decode={self.engine_attn_decode!r} is not valid; choose one of: "
-                              f"{', '.join(ATTN_IMPLS)} (or none: the same as attn)")
+                              f"{', '.join(ENGINE_ATTN_IMPLS)} (or none: the same as attn)")
         positive = ("splitk_chunk", "num_train_prompts", "steps", "prompts_per_step", "num_generations",
                     "per_device_batch_size", "max_completion_length",
                     "max_prompt_length", "checkpoint_every", "keep_checkpoints", "reward_collapse_window",

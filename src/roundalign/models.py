@@ -14,7 +14,8 @@
     the snapshot directory over).
 
 * :func:`load_model` loads with ``AutoModelForCausalLM`` in the requested dtype
-  (``bf16``/``fp16``/``fp32``) and attention implementation (``eager``/``sdpa``), in eval mode.
+  (``bf16``/``fp16``/``fp32``) and attention implementation (``eager``/``sdpa``, or vLLM's own kernels
+  ``vllm_cpu``/``vllm_flash``: loaded eager, then switched to the registered bridge), in eval mode.
   ``model.generation_config`` is whatever the checkpoint ships; the tiny models from
   :mod:`roundalign.tiny` ship ``top_k=0, top_p=1.0, temperature=1.0`` (see there for why).
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .engine.choices import ATTN_IMPLS  # eager, sdpa, vllm_cpu
+from .engine.choices import ATTN_IMPLS  # eager, sdpa, vllm_cpu, vllm_flash
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TINY_META_FILE = "roundalign_tiny.json"  # kept in sync with roundalign.tiny.META_FILE
@@ -105,14 +106,20 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
 
     from transformers import AutoModelForCausalLM
 
+    bridged = attn in ("vllm_cpu", "vllm_flash")  # vLLM's own kernels: loaded eager, then switched to them
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation="eager" if attn == "vllm_cpu" else attn, local_files_only=True
+        path, dtype=DTYPES[dtype], attn_implementation="eager" if bridged else attn, local_files_only=True
     )
     if attn == "vllm_cpu":  # vLLM's CPU kernel (forward) with SDPA's gradient; registered here, then switched to
         from . import vllm_cpu
 
         vllm_cpu.register()
         model.set_attn_implementation("vllm_cpu")
+    elif attn == "vllm_flash":  # vLLM's CUDA FlashAttention call (forward) with SDPA's gradient, likewise; registered
+        from . import vllm_flash  # with transformers as "vllm_fa" (a name with "flash" in it is taken for flash-attn)
+
+        vllm_flash.register()
+        model.set_attn_implementation(vllm_flash.HF_ATTN_NAME)
     model.eval()
     from .numerics.patch import apply_alignment, recorded_alignment
 

@@ -58,6 +58,8 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
 
     if cfg.attn == "vllm_cpu":
         _preflight_vllm_cpu_attention(cfg)
+    if cfg.attn == "vllm_flash":
+        _preflight_vllm_flash_attention(cfg)
     if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
         _preflight_vllm_cpu(cfg)
     elif cfg.backend == "vllm":
@@ -100,6 +102,47 @@ def _preflight_vllm_cpu_attention(cfg: TrainConfig) -> None:
                            "(use attn=sdpa or eager there, or engine vllm-cpu-compiled / vllm-cpu-eager)")
     _require_vllm_cpu_build("attn='vllm_cpu'", cfg.engine)
     _require_cpu_head_dim(cfg)
+
+
+def _preflight_vllm_flash_attention(cfg: TrainConfig) -> None:
+    """attn=vllm_flash: vLLM's CUDA FlashAttention call (roundalign.vllm_flash) against the real vLLM engine in its
+    eager mode, on a GPU whose stock vLLM backend is FlashAttention, in fp16/bf16, at a head size it has. Checked
+    from the installed files and the model's config.json, without importing vLLM."""
+    import torch
+
+    from .numerics.plan import CPU_ENGINES
+    from .vllm_flash import capability_problem, cuda_build_problem, head_dim_problem
+
+    if cfg.backend != "vllm" or cfg.engine in CPU_ENGINES:
+        where = "the emulated engine" if cfg.backend != "vllm" else f"engine {cfg.engine!r}"
+        raise RuntimeError(f"attn='vllm_flash' is vLLM's CUDA FlashAttention kernel, for --backend vllm with a GPU "
+                           f"engine; {where} runs on CPU (use attn=vllm_cpu for vLLM's CPU build, eager or sdpa "
+                           "for the emulated engine)")
+    if cfg.engine != "vllm-eager":
+        raise RuntimeError(f"attn='vllm_flash' reproduces the eager engine's FlashAttention call (num_splits=0); "
+                           f"engine {cfg.engine!r} runs full CUDA graphs and passes num_splits=32 for batches up to "
+                           "its max_cudagraph_capture_size tokens (vLLM 0.31.0 flash_attn.py:856-869), a size the "
+                           "trainer does not see: use --engine vllm-eager")
+    if cfg.dtype not in ("bf16", "fp16"):
+        raise RuntimeError(f"attn='vllm_flash': vLLM's FlashAttention runs fp16/bf16 only (dtype={cfg.dtype!r})")
+    problem = cuda_build_problem()
+    if problem:
+        raise RuntimeError(f"attn='vllm_flash' needs vLLM's CUDA build (vllm==0.31.0): {problem}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("attn='vllm_flash' needs a CUDA GPU: torch.cuda.is_available() is False here")
+    problem = capability_problem(torch.cuda.get_device_capability())
+    if problem:
+        raise RuntimeError(f"attn='vllm_flash': {problem}; use attn=sdpa")
+    from .models import resolve_model_path
+
+    conf_path = Path(resolve_model_path(cfg.model)) / "config.json"
+    if conf_path.is_file():
+        conf = json.loads(conf_path.read_text())
+        conf = conf.get("text_config", conf)
+        head_dim = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
+        problem = head_dim_problem(head_dim)
+        if problem:
+            raise RuntimeError(f"attn='vllm_flash', model {cfg.model}: {problem}")
 
 
 def _require_vllm_cpu_build(what: str, engine: str) -> None:
