@@ -29,7 +29,7 @@ from roundalign.plots.summary import final_mean
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 COLLAPSE_STEP = 15
-IMAGE_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe"]
+IMAGE_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe", "fig_attn"]
 
 
 def _tables(with_is_ratio=True, with_probe=True) -> Aggregate:
@@ -416,3 +416,31 @@ def test_learning_gain_and_its_interval_over_seeds_and_steps():
     flat = learning([(np.array([0.0, 1.0] * 5), np.array([1.0, 0.0] * 5))])
     assert flat["reward_gain"] == 0 and flat["gain_lo"] < 0 < flat["gain_hi"]
     assert np.isnan(learning([])["reward_gain"])
+
+
+def test_attention_figure_pairs_the_arms_of_one_policy():
+    from roundalign.plots.fig_attn import arm_table, plot_attn
+
+    rows, status = [], []
+    # policy p trained twice: as model p (sdpa) and as model p.vllm_cpu (the engine's attention); k3 per step
+    k3 = {("p", "baseline"): [4e-4, 2e-4, 3e-4], ("p", "full"): [1e-5, 3e-5, 2e-5],
+          ("p.vllm_cpu", "baseline"): [1e-4, 1e-4, 5e-4], ("p.vllm_cpu", "full"): [0.0, 0.0, 1e-13]}
+    for (model, variant), vals in k3.items():
+        for step, v in enumerate(vals, 1):
+            rows.append(("s", model, variant, 0, step, "mismatch/token/k3", v, "done"))
+        status.append({"sweep": "s", "model": model, "variant": variant, "seed": 0, "status": "done",
+                       "attn": "vllm_cpu" if "." in model else "sdpa", "policy": "p"})
+    runs = pd.DataFrame(rows, columns=["sweep", "model", "variant", "seed", "step", "metric", "value", "status"])
+    arms = arm_table(runs, pd.DataFrame(status))
+    got = {(r.variant, r.attn): r.k3 for r in arms.itertuples()}
+    assert got == {("baseline", "sdpa"): 3e-4, ("full", "sdpa"): 2e-5, ("baseline", "vllm_cpu"): 1e-4,
+                   ("full", "vllm_cpu"): 0.0}  # medians over steps
+    fig, axes = plot_attn(runs, pd.DataFrame(status))
+    assert [ax.get_title() for ax in axes] == ["p"]  # one panel: the two entries share their policy
+    bars = {p.get_gid(): p.get_height() for p in axes[0].patches if p.get_gid()}
+    assert bars["bar:baseline:sdpa"] == pytest.approx(3e-4) and bars["bar:full:sdpa"] == pytest.approx(2e-5)
+    # the exact zero, drawn on the floor: a decade below the decade of the smallest positive median (2e-5)
+    assert bars["bar:full:vllm_cpu"] == pytest.approx(1e-6)
+    # an aggregate from before the columns existed: one attention, "(not recorded)", the model as policy
+    old = arm_table(runs, pd.DataFrame(status).drop(columns=["attn", "policy"]))
+    assert set(old["attn"]) == {"(not recorded)"} and set(old["policy"]) == {"p", "p.vllm_cpu"}

