@@ -50,14 +50,16 @@ def main(argv=None) -> int:
     cfg = yaml.safe_load((ROOT / args.config).read_text())
     results = ROOT / args.results
     models_dir = Path(args.models_dir) if args.models_dir else ROOT / cfg.get("workdir", "work") / "models/tiny"
-    missing = [m for m in cfg["models"] if not (models_dir / m / "policy").is_dir()]
+    # entries with base: (the sweep's attention axis) reuse their base's policy: one probe per built model
+    built = [m for m, spec in cfg["models"].items() if not spec.get("base")]
+    missing = [m for m in built if not (models_dir / m / "policy").is_dir()]
     if missing:
         raise SystemExit(f"warm-started models missing under {models_dir}: {', '.join(missing)} (run the vllm-cpu "
                          f"sweep first: snakemake --cores 2 --configfile {args.config})")
     probe = cfg.get("probe", {})
     out_dir = results / "probe_vllm_attn"
     rows = []
-    for model in cfg["models"]:
+    for model in built:
         for engine in ENGINES:
             out = out_dir / model / f"{engine}.csv"
             out.parent.mkdir(parents=True, exist_ok=True)

