@@ -567,44 +567,55 @@ def main(argv=None) -> int:
                 warmup=args.warmup, attn=args.attn, seed=args.seed)
 
     inductor_rows: list[dict] = []
+    bench_rows: list[dict] = []
+    piecewise_rows: list[dict] = []
+    training_rows: list[dict] = []
+    flash_rows: list[dict] = []
     if not args.skip_inductor:
         t0 = time.perf_counter()
         inductor_rows = check_inductor(device, SIZES[size], args.seed)
         meta["inductor_check_s"] = round(time.perf_counter() - t0, 1)
-    bench_rows: list[dict] = []
+        print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
     if not args.skip_bench:
         t0 = time.perf_counter()
         bench_rows = bench_model(device, MODELS[size], batch, seq, variants, args.engine, args.warmup, rounds,
                                  args.attn, args.seed)
         meta["bench_s"] = round(time.perf_counter() - t0, 1)
-    piecewise_rows: list[dict] = []
+        print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
     if not args.skip_piecewise:
         t0 = time.perf_counter()
         piecewise_rows = check_piecewise(device, args.tiny, args.seed)
         meta["piecewise_check_s"] = round(time.perf_counter() - t0, 1)
-    training_rows: list[dict] = []
+        print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
     if not args.skip_training:
         t0 = time.perf_counter()
         engine = args.engine if device.type == "cuda" else args.engine.replace("vllm-", "vllm-cpu-", 1)
         training_rows = check_training(device, engine, out, args.seed)
         meta["training_check_s"] = round(time.perf_counter() - t0, 1)
-    flash_rows: list[dict] = []
+        print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
     if not args.skip_flash:
         t0 = time.perf_counter()
         flash_rows = check_flash_training(device, out, args.seed)
         meta["flash_check_s"] = round(time.perf_counter() - t0, 1)
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
 
+    md = write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows)
+    print(md)
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    return 0
+
+
+def write(out: Path, meta: dict, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows) -> str:
+    """gpu_check.md and gpu_check.json with the parts done so far (written after each part: a later part that
+    fails leaves the earlier ones on disk)."""
     md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows) + render_training(training_rows) \
         + render_flash(flash_rows)
-    print(md)
     (out / "gpu_check.md").write_text(md)
     (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows,
                                                     "piecewise": piecewise_rows, "training": training_rows,
                                                     "flash": flash_rows},
                                                    indent=2, default=str) + "\n")
-    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
-    return 0
+    return md
 
 
 if __name__ == "__main__":

@@ -164,8 +164,9 @@ class EngineModel:
             rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
             if rope_type != "default":
                 raise ValueError(f"the compiled engine implements default (unscaled) RoPE; this model has {rope_type!r}")
+            # on the model's device, as vLLM builds it on its own (a CPU table crashed the compiled engine on CUDA)
             self.cos_sin_cache = vllm_native.vllm_cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta,
-                                                                self.dtype)
+                                                                self.dtype, device=next(model.parameters()).device)
             self.spec = compiled.make_spec(regions=regions, gemm=gemm, splitk_chunk=splitk_chunk,
                                            norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
                                            qk_norm=self.layers[0].q_norm is not None,
@@ -263,7 +264,7 @@ class EngineModel:
                 q = F.pad(q, (0, 0, 0, ATTN_MIN_ROWS - tq))
             scores = (torch.matmul(q, k.transpose(2, 3)) * self.scaling)[:, :, :tq]
             if causal and tq > 1:
-                mask = torch.full((tq, tk), torch.finfo(scores.dtype).min, dtype=scores.dtype)
+                mask = torch.full((tq, tk), torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
                 mask = torch.triu(mask, diagonal=tk - tq + 1)
                 scores = scores + mask
             # ATen's CPU softmax reduces a row shorter than its SIMD width on a scalar path and a longer one on
@@ -289,7 +290,7 @@ class EngineModel:
         that layer (the residual stream ``bf16(residual + mlp_out)``), shape (B, T, hidden)."""
         bsz, seq = input_ids.shape
         start = cache.length
-        positions = torch.arange(start, start + seq).unsqueeze(0).expand(bsz, -1)
+        positions = torch.arange(start, start + seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
         if self.spec is not None:
             return self._forward_compiled(input_ids, positions, cache, layer_states)
         h = F.embedding(input_ids, self.embed).to(self.dtype)
@@ -342,7 +343,7 @@ class EngineModel:
 
         states = [] if layer_states is not None else None
         if self.spec.whole:
-            empty = torch.empty((bsz, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype)
+            empty = torch.empty((bsz, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype, device=input_ids.device)
             past = [t for i in range(len(self.layers))
                     for t in ((cache.k[i], cache.v[i]) if cache.k[i] is not None else (empty, empty))]
             hidden, new_kv = compiled.run_model_whole(self.spec, self, input_ids.reshape(-1), positions.reshape(-1),
