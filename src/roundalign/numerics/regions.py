@@ -229,15 +229,21 @@ def _compiled_vjp(reference):
 
 
 # Rows per chunk of the eager SwiGLU region: its fp32 temporaries live for one chunk only. The region is
-# elementwise, so chunking changes no bit; 2^16 elements = 256 KiB per fp32 temporary.
+# elementwise, so chunking changes no bit; 2^16 elements = 256 KiB per fp32 temporary on a CPU. On an accelerator
+# each chunk is ~5 kernel launches: 2^16 there made `full` 29x slower than `baseline` in the forward of a
+# Qwen2.5-1.5B-sized model on an H200 (4 x 1024 tokens: 2240 chunks a layer; results/bench/gpu), so chunks hold
+# 2^24 elements there (64 MiB per fp32 temporary, against the 2.3 GB of fp32 the whole activation would take).
 _SWIGLU_CHUNK_ELEMS = 1 << 16
+_SWIGLU_CHUNK_ELEMS_ACCELERATOR = 1 << 24
 
 
 def _row_chunks(*tensors: Tensor):
-    """Yield matching row slices of same-shape tensors viewed as (rows, last dim), ~_SWIGLU_CHUNK_ELEMS each."""
+    """Yield matching row slices of same-shape tensors viewed as (rows, last dim), ~_SWIGLU_CHUNK_ELEMS each
+    (``_SWIGLU_CHUNK_ELEMS_ACCELERATOR`` off the CPU)."""
     last = tensors[0].shape[-1]
     flat = [t.reshape(-1, last) for t in tensors]
-    step = max(1, _SWIGLU_CHUNK_ELEMS // max(last, 1))
+    elems = _SWIGLU_CHUNK_ELEMS if tensors[0].device.type == "cpu" else _SWIGLU_CHUNK_ELEMS_ACCELERATOR
+    step = max(1, elems // max(last, 1))
     for r0 in range(0, flat[0].shape[0], step):
         yield tuple(f[r0:r0 + step] for f in flat)
 
