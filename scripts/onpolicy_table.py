@@ -77,7 +77,9 @@ def main(argv=None) -> int:
                 continue
             cmd = (f"{sys.executable} -m roundalign train --model {models_dir / model / 'policy'} --variant {variant} "
                    f"--seed 0 --out {ROOT / 'work/onpolicy_eager' / model / variant} --export {dest} {sets} "
-                   "--set engine=vllm-cpu-eager --set attn=vllm_cpu")
+                   # the eager engine's region kernels are eager (apply_alignment's default for that target: its
+                   # norms run uncompiled, as the eager regions do)
+                   "--set engine=vllm-cpu-eager --set attn=vllm_cpu --set kernels=eager")
             jobs.append((f"{model}/{variant}", cmd))
     running: list = []
     while jobs or running:
