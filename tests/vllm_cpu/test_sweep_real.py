@@ -27,7 +27,8 @@ def test_reduced_vllm_cpu_sweep_trains_probes_aggregates_and_draws(tmp_path):
     model = "cpu-qwen3-tied"
     cfg["models"] = {model: {**cfg["models"][model], "tiny": {**cfg["models"][model]["tiny"], "pretrain_steps": 100}}}
     cfg.update(variants=["baseline", "full"], seeds=[0], python=sys.executable)
-    cfg["train"].update(steps=3, engine="vllm-cpu-eager", checkpoint_every=2)
+    # the eager engine's region kernels are eager (the committed sweep's compiled ones are its compiled target's)
+    cfg["train"].update(steps=3, engine="vllm-cpu-eager", checkpoint_every=2, kernels="eager")
     cfg["probe"].update(engines=["vllm-cpu-eager"], prompts=2, max_new_tokens=4)
     (tmp_path / "reduced.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
@@ -49,5 +50,5 @@ def test_reduced_vllm_cpu_sweep_trains_probes_aggregates_and_draws(tmp_path):
     assert set(layers["engine"]) == {"vllm-cpu-eager_emulated", "vllm-cpu-eager_teacher_forced"}
     summary = (tmp_path / "figures/vllm-cpu/summary.md").read_text()
     assert f"| {model} | baseline | 1 | 1 |" in summary and f"| {model} | full | 1 | 1 |" in summary
-    for stem in ("fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe"):
+    for stem in ("fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe", "fig_attn"):
         assert (tmp_path / f"figures/vllm-cpu/{stem}.png").stat().st_size > 10_000, stem

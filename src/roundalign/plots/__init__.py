@@ -73,8 +73,10 @@ CAPTIONS: dict[str, str] = {
     "summary": (
         "Per model and trainer variant, over seeds: number of seeds, of finished and of collapsed runs "
         "with their collapse steps, runs whose reward collapsed, final reward (mean of reward/mean over the "
-        "last 10% of logged steps, at least one, then mean over seeds) and peak token-level k3 (maximum "
-        "over steps, then mean over seeds)."),
+        "last 10% of logged steps, at least one, then mean over seeds), peak token-level k3 (maximum "
+        "over steps, then mean over seeds), and whether the arm learns: the mean reward of the first and of the last "
+        "10 logged steps and their difference, with a 95% bootstrap interval over seeds and the steps of each "
+        "window (the arm learns when the interval lies above 0)."),
 }
 
 
