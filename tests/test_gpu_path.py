@@ -82,7 +82,11 @@ def test_vllm_cpu_sweep_trains_and_probes_on_cpu_with_the_second_environment():
     name = "cpu-qwen3-untied"
     assert sweep.train_resources(name)["gpu"] == 0 and sweep.probe_resources(name)["gpu"] == 0
     assert sweep.launcher(name) == ".venv-vllm/bin/python" == sweep.python  # train and probe jobs' interpreter
-    assert sweep.train_overrides(name)["backend"] == "vllm" and len(sweep.runs()) == 4 * 3 * 2
+    # 4 models, each trained with the trainer's attention and, as <model>.vllm_cpu on the same policy, the engine's
+    assert sweep.train_overrides(name)["backend"] == "vllm" and len(sweep.runs()) == 4 * 2 * 3 * 2
+    assert (sweep.train_settings(name)["attn"], sweep.train_settings(f"{name}.vllm_cpu")["attn"]) == ("sdpa", "vllm_cpu")
+    assert sweep.policy_dir(f"{name}.vllm_cpu") == sweep.policy_dir(name)
+    assert sweep.probed_models() == sorted(m for m in sweep.models if "." not in m)  # one probe per policy
     # a GPU engine without a GPU, and the CPU build given a GPU, are refused naming the model
     cfg = _vllm_cpu()
     cfg["train"]["engine"] = "vllm-compiled"

@@ -1,6 +1,13 @@
 # Constants and target helpers shared by the main Snakefile and workflow/figures.smk.
 
-FIGURE_STEMS = ["fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe", "fig_attn"]
+FIGURE_STEMS = [
+    "fig_reward",
+    "fig_k3",
+    "fig_is_ratio",
+    "fig_logp_diff",
+    "fig_probe",
+    "fig_attn",
+]
 AGGREGATE_TABLES = ["runs", "run_status", "probe", "probe_layers"]
 STRESS_TABLES = ["stress_runs", "stress_survival", "stress_gap"]
 STRESS_FIGURE_STEMS = [
