@@ -41,9 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-SWEEP = Path("/work/sweep")
-DEF_RUN = SWEEP / "results/vllm-cpu/runs/cpu-qwen25-tied.vllm_cpu/full/seed1"
-DEF_MODEL = SWEEP / "work/models/tiny/cpu-qwen25-tied/policy"
+# The step isolated: the committed vllm-cpu sweep's cpu-qwen25-tied.vllm_cpu/full/seed1 config at step 1, with the
+# region kernels the sweep first ran (`--kernels eager`: TrainConfig's default then, k3 8.6e-8 at step 1; the
+# committed run, with compiled kernels, is at the floor there). The policy is the sweep's warm start (run the sweep
+# first: snakemake --cores 2 --configfile configs/vllm-cpu.yaml).
+ROOT = Path(__file__).resolve().parents[1]
+DEF_RUN = ROOT / "results/vllm-cpu/runs/cpu-qwen25-tied.vllm_cpu/full/seed1"
+DEF_MODEL = ROOT / "work/models/tiny/cpu-qwen25-tied/policy"
 ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
        "ROUNDALIGN_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -74,7 +78,7 @@ def capture(a):
     work.mkdir(parents=True, exist_ok=True)
     base = json.loads((Path(a.run) / "run.json").read_text())["config"]
     base = {k: v for k, v in base.items() if v is not None}
-    base.update(model=str(a.model), steps=a.steps)
+    base.update(model=str(a.model), steps=a.steps, kernels=a.kernels)
     cfg = build_config(base=base)
     torch.set_num_threads(1)
 
@@ -485,6 +489,8 @@ def main():
     ap.add_argument("--run", default=str(DEF_RUN), help="exported run dir holding run.json and metrics.jsonl")
     ap.add_argument("--model", default=str(DEF_MODEL))
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--kernels", choices=["eager", "compiled"], default="eager",
+                    help="the rerun's region kernels (default eager: how the isolated step was first trained)")
     ap.add_argument("--batch", type=int, default=0, help="which captured generation batch (step - 1)")
     ap.add_argument("--out", default="/tmp/isolate_offpolicy/run", help="fresh run directory for the rerun")
     ap.add_argument("--work", default="/tmp/isolate_offpolicy")
@@ -494,7 +500,8 @@ def main():
     if a.phase == "all":
         _env()
         common = ["--run", a.run, "--model", a.model, "--work", a.work, "--batch", str(a.batch)]
-        for args in (["capture", "--out", a.out, "--steps", str(a.steps)], ["engine", "--mode", "compiled"],
+        for args in (["capture", "--out", a.out, "--steps", str(a.steps), "--kernels", a.kernels],
+                     ["engine", "--mode", "compiled"],
                      ["engine", "--mode", "eager"], ["trainer"], ["micro"], ["analyze", "--report", a.report]):
             subprocess.run([sys.executable, __file__, *args, *common], check=True, env={**os.environ, **ENV})
         return
