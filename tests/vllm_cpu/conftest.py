@@ -38,3 +38,21 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"CI=true: {NEEDS}")
         for it in ours:
             it.add_marker(pytest.mark.skip(reason=NEEDS))
+
+
+# TRL's colocated vLLM sets RANK, LOCAL_RANK and WORLD_SIZE (trl/generation/vllm_generation.py:331-333) and a
+# MASTER_ADDR/MASTER_PORT in this process's environment, and the process group it starts stays up. A later test's
+# child process (Snakemake -> pretrain-tiny) inherited them, took itself for a rank of a distributed run and failed
+# to listen on the port ("EADDRINUSE"; seen in make test). Each test gets the environment back as it found it.
+_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_distributed_env():
+    before = {k: os.environ.get(k) for k in _DISTRIBUTED_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -31,8 +31,10 @@ def test_reduced_vllm_cpu_sweep_trains_probes_aggregates_and_draws(tmp_path):
     cfg["train"].update(steps=3, engine="vllm-cpu-eager", checkpoint_every=2, kernels="eager")
     cfg["probe"].update(engines=["vllm-cpu-eager"], prompts=2, max_new_tokens=4)
     (tmp_path / "reduced.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT / "src")}
+    # no distributed environment from an in-process GRPO run of an earlier test (see conftest.py)
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "reduced.yaml"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
