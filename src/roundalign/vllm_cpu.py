@@ -37,6 +37,8 @@ import math
 
 import torch
 
+from .sdpa_grad import sdpa_grad_per_request, sdpa_reference  # noqa: F401 (sdpa_reference: re-exported)
+
 ATTN_NAME = "vllm_cpu"
 # vLLM 0.31.0's CPU backend (CPUAttentionBackend.get_supported_head_sizes, cpu_attn.py:69-70)
 SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -273,16 +275,6 @@ def _forward(query, key, value, spans, scale: float, window: int, softcap: float
     return out
 
 
-def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The attention whose gradient the bridge's backward takes: torch SDPA over one request, ``q`` (H, n, D) the
-    last n of the m positions of ``k``/``v`` (H_kv, m, D), causal and bottom-right aligned (query i sees keys
-    ``0 .. m - n + i``), GQA heads shared as vLLM shares them (query head h reads KV head h // (H / H_kv))."""
-    n, m = q.shape[1], k.shape[1]
-    mask = None if n == m else torch.ones((n, m), dtype=torch.bool).tril(diagonal=m - n)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=n == m, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
-
-
 class VllmCpuAttentionFunction(torch.autograd.Function):
     """vLLM-CPU's attention forward with the gradient of torch SDPA at the same q/k/v.
 
@@ -305,17 +297,7 @@ class VllmCpuAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: (B, Tq, H, D)
         query, key, value = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
-            for b, q0, q1, lo, hi in ctx.spans:
-                q = query[b, :, q0:q1].detach().requires_grad_()
-                k = key[b, :, lo:hi].detach().requires_grad_()
-                v = value[b, :, lo:hi].detach().requires_grad_()
-                o = sdpa_reference(q, k, v, ctx.scale)
-                gq, gk, gv = torch.autograd.grad(o, (q, k, v), grad_out[b, q0:q1].transpose(0, 1).to(o.dtype))
-                dq[b, :, q0:q1] += gq
-                dk[b, :, lo:hi] += gk
-                dv[b, :, lo:hi] += gv
+        dq, dk, dv = sdpa_grad_per_request(query, key, value, ctx.spans, ctx.scale, grad_out)
         return dq, dk, dv, None, None, None, None
 
 
