@@ -387,3 +387,23 @@ def test_zero3_computes_in_16_bit_with_fp32_masters(tmp_path, variant, bf16, fp1
     single = build_grpo_args(build_config(overrides={"model": "m", "variant": variant, **FAST}), tmp_path,
                              deepspeed=False)
     assert (single.bf16, single.fp16) == (False, False)  # one process: no autocast, roundalign.optim's masters
+
+
+def test_a_process_started_alone_takes_a_free_master_port(monkeypatch):
+    # Two vLLM-backed runs side by side both bound accelerate's default 29500 (EADDRINUSE); a launcher's port stands.
+    import os
+
+    from roundalign.cli import claim_free_master_port
+
+    for key in ("WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    claim_free_master_port()
+    first = int(os.environ["MASTER_PORT"])
+    assert 0 < first < 65536 and first != 29500
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    claim_free_master_port()
+    assert os.environ["MASTER_PORT"] == "29511"
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: the launcher sets the rendezvous
+    claim_free_master_port()
+    assert "MASTER_PORT" not in os.environ

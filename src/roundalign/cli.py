@@ -302,9 +302,26 @@ VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_
          "fetch-model": run_fetch_model, "prepare-data": run_prepare_data}
 
 
+def claim_free_master_port() -> None:
+    """A process started alone (no launcher: WORLD_SIZE and MASTER_PORT unset) takes a free port for the
+    torch.distributed group it may start: accelerate's CPU state (accelerate/state.py:253-254) otherwise defaults
+    MASTER_PORT to 29500, TRL's colocated vLLM then keeps it (trl/trainer/utils.py ensure_master_addr_port), and two
+    runs at once on one machine collided there ("EADDRINUSE"; seen with two training jobs of a sweep, and two
+    `roundalign train --backend vllm` side by side). Under accelerate launch / torchrun the launcher's port stands."""
+    if os.environ.get("WORLD_SIZE") or os.environ.get("MASTER_PORT"):
+        return
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = (make_figure_parser() if argv[:1] and argv[0] in FIGURE_VERBS else make_parser()).parse_args(argv)
+    if args.verb in ("train", "pretrain-tiny", "probe"):
+        claim_free_master_port()
     try:
         code = VERBS[args.verb](args)
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError, TypeError,
