@@ -13,7 +13,9 @@ lognormal norm weights) and each engine mode (``vllm-cpu-compiled``, the default
 The trainer runs every variant with either vLLM's CPU attention kernel (``vllm_cpu``: equal attention, so what
 is left is where rounding happens) or its stock attention (``sdpa``). k3 = mean(rho - 1 - delta), delta =
 logp_train - logp_engine, in nats per token. Also written: ``<out stem>.csv`` (tidy: arch, engine, side, attn,
-variant, metric, value) and the engine record (kernel build, GEMM dispatch, attention ISA).
+variant, metric, value) and the engine record (kernel build, GEMM dispatch, attention ISA, and for the compiled
+engine its norms' reduction orders, which ``norm`` and ``full`` take: ``apply_alignment(norm_sum_orders=...)``).
+The engines run the GEMM dispatch that training runs (``vllm_cpu.install_live_gemm_dispatch``).
 """
 
 import argparse
@@ -43,8 +45,13 @@ def engine_logps(d, mode, seqs, prompts, max_new):
 
     from roundalign import vllm_cpu, vllm_guard
 
-    llm = LLM(model=d, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=mode == "eager", seed=0,
-              max_model_len=512, max_num_seqs=8, logprobs_mode="processed_logprobs")
+    # the GEMM dispatch training runs (TRL's weight sync needs it; on AMX CPUs the stock one is SGL's AMX kernel)
+    vllm_cpu.install_live_gemm_dispatch()
+    try:
+        llm = LLM(model=d, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=mode == "eager", seed=0,
+                  max_model_len=512, max_num_seqs=8, logprobs_mode="processed_logprobs")
+    finally:
+        vllm_cpu.uninstall_live_gemm_dispatch()
     tf = []
     for s in seqs:
         out = llm.generate([{"prompt_token_ids": s}], SamplingParams(max_tokens=1, prompt_logprobs=0),
@@ -59,6 +66,8 @@ def engine_logps(d, mode, seqs, prompts, max_new):
         toks = list(c.token_ids)
         sampled.append((p, toks, torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(toks)])))
     record = {**vllm_guard.engine_settings(llm), "kernels": vllm_cpu.engine_kernels(llm)}
+    if mode == "compiled":  # how its fused norms sum x^2, read from its own Inductor code (apply_alignment)
+        record["norm_sum_orders"] = vllm_cpu.engine_norm_sum_orders(llm)
     del llm
     gc.collect()
     return tf, sampled, record
@@ -106,7 +115,8 @@ def main():
             for attn in ("vllm_cpu", "sdpa"):
                 model.set_attn_implementation(attn)
                 for variant in VARIANTS:
-                    apply_alignment(model, variant, engine)
+                    orders = rec.get("norm_sum_orders") if variant in ("norm", "full") else None
+                    apply_alignment(model, variant, engine, norm_sum_orders=orders)
                     sides = {"teacher-forced": stats([trainer_logps(model, s, 1) for s in seqs], tf),
                              "sampled": stats([trainer_logps(model, p + t, len(p)) for p, t, _ in sampled],
                                               [lp for _, _, lp in sampled])}
@@ -145,7 +155,9 @@ def main():
     for k, r in records.items():
         lines.append(f"{k}: mode={r['compilation_mode']} backend={r['compile_backend']} build={r.get('cpu_kernel_build')} "
                      f"gemm={r['kernels']['gemm']} attention={r['kernels']['attention_backend']} "
-                     f"kv_block={r['kernels']['kv_block_size']}")
+                     f"kv_block={r['kernels']['kv_block_size']}"
+                     + (f" norm_sum_orders={sorted(set(map(tuple, r['norm_sum_orders'])))}" if r.get("norm_sum_orders")
+                        else ""))
     text = "\n".join(lines) + "\n"
     atomic_write_text(out, text)
     atomic_write_json(out.with_suffix(".json"), json.loads(json.dumps(records, default=str)))

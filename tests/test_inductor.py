@@ -241,3 +241,40 @@ def test_qwen3_qk_norm_rope_compiled_is_one_rounding(compile_fn):
             f_split = frac_diff(c, split)
             print(f"  compiled != split (norm rounded, RoPE 1 rounding) on {100 * f_split:.1f}%")
             assert f_split > 0.05
+
+
+@pytest.mark.parametrize("dtype,stores_fp32", [(BF16, False), (BF16, True), (torch.float32, False)])
+def test_sum_sq_in_order_is_inductors_reduction_read_from_its_code(dtype, stores_fp32):
+    """``regions.sum_sq_in_order`` with the order parsed out of Inductor's own generated C++ (the way
+    ``inductor_code.norm_sum_orders`` reads the engine's) equals Inductor's sum of squares bitwise, on rows whose
+    torch.sum differs from it. Inductor picks the tiling from the kernel's loads and stores: 2 x 16 lanes for bf16
+    input on AVX-512 (2 x 8 on AVX2), 1 vector where the loop also stores fp32 (the engine's kernels that
+    materialise the residual stream)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from roundalign.inductor_code import norm_sum_orders, parse_output_code
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(T, HIDDEN, generator=g) * torch.rand(T, 1, generator=g) * 30).to(dtype)
+    r = torch.randn(T, HIDDEN, generator=g)
+
+    def f(x, r):  # named like vLLM's norm kernels (the parser tells roles from the fused op names)
+        s = x.float() + r if stores_fp32 else x.float()
+        ss = s.pow(2).sum(-1, keepdim=True)
+        out = (s * torch.rsqrt(ss / HIDDEN + EPS)).to(BF16)
+        return (out, ss, s) if stores_fp32 else (out, ss)
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(x, 0)  # as the engine compiles: the token count symbolic, the hidden size not
+    torch._dynamo.mark_dynamic(r, 0)
+    got, (code,) = run_and_get_code(torch.compile(f, backend="inductor"), x, r)
+    summary = parse_output_code(code)
+    (order,) = set(norm_sum_orders(summary))
+    vec, n = order
+    assert vec in (8, 16) and n == (2 if dtype == BF16 and not stores_fp32 else 1), order
+    s = x.float() + r if stores_fp32 else x.float()
+    ours = regions.sum_sq_in_order(s, order)
+    assert torch.equal(ours, got[1])
+    assert not torch.equal(s.pow(2).sum(-1, keepdim=True), got[1])  # torch's own order differs: the test has teeth
+    other = regions.sum_sq_in_order(s, (vec, 2 if n == 1 else 1))
+    assert not torch.equal(other, got[1])

@@ -305,3 +305,47 @@ def test_attention_switch_after_alignment_takes_effect_as_on_stock(arch, engine)
     switched = copy.deepcopy(aligned)
     switched.set_attn_implementation("eager")
     assert aligned.config._attn_implementation == "sdpa"  # the copy switched, the original did not
+
+
+def test_norm_sum_orders_reach_every_norm_and_are_checked(arch, tmp_path, monkeypatch):
+    """``norm_sum_orders``: one ``(vec, n)`` per RMSNorm in the order the forward runs them; each norm then sums
+    its squares in that order (``regions.sum_sq_in_order``, checked against Inductor in tests/test_inductor.py,
+    against the real engine in tests/vllm_cpu), in both kernel modes; the orders travel with
+    save_pretrained/load_model, and bad input is refused naming what is wrong."""
+    from roundalign.models import load_model
+    from roundalign.numerics import regions
+    from roundalign.numerics.patch import norm_modules
+
+    model = random_qwen(arch, layers=2, hidden=128)
+    norms = norm_modules(model)
+    assert len(norms) == 2 * (2 if arch == "qwen2" else 4) + 1
+    orders = [(4, 2) if i % 3 else (16, 1) for i in range(len(norms))]
+    calls, real = [], regions.sum_sq_in_order
+
+    def spy(xf, order):
+        calls.append((xf.shape[-1], tuple(order)))
+        return real(xf, order)
+
+    monkeypatch.setattr(regions, "sum_sq_in_order", spy)
+    x = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    for kernels in ("eager", "compiled"):
+        calls.clear()
+        apply_alignment(model, "full", "vllm-cpu-compiled", kernels=kernels, norm_sum_orders=orders)
+        with torch.no_grad():
+            model(input_ids=x)
+        # the compiled regions trace the formula once per order and shape; eager calls it per norm
+        expected = [(m.weight.shape[-1], o) for m, o in zip(norms, orders)]
+        assert (calls == expected) if kernels == "eager" else set(calls) <= set(expected) and calls, (kernels, calls)
+    assert [m._roundalign_sum_order for m in norms] == orders
+    model.save_pretrained(tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"), dtype="bf16")
+    assert [m._roundalign_sum_order for m in norm_modules(loaded)] == orders
+    apply_alignment(model, "full", "vllm-cpu-compiled")  # re-applying without orders drops them
+    assert not any(hasattr(m, "_roundalign_sum_order") for m in norms)
+
+    with pytest.raises(ValueError, match=f"has 3 entries; this model runs {len(norms)} RMSNorms"):
+        apply_alignment(model, "full", "vllm-cpu-compiled", norm_sum_orders=orders[:3])
+    with pytest.raises(ValueError, match="engine 'vllm-cpu-compiled', not 'full' with 'vllm-compiled'"):
+        apply_alignment(model, "full", "vllm-compiled", norm_sum_orders=orders)
+    with pytest.raises(ValueError, match="does not tile"):
+        apply_alignment(model, "full", "vllm-cpu-compiled", norm_sum_orders=[(64, 4)] * len(norms))

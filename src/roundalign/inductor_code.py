@@ -39,7 +39,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["find_output_code", "parse_output_code", "engine_store_dtypes", "format_summary"]
+__all__ = ["find_output_code", "parse_output_code", "engine_store_dtypes", "norm_sum_orders", "format_summary"]
 
 #: C++ pointer element types -> torch dtype names.
 _CPP_DTYPES = {
@@ -460,6 +460,25 @@ def engine_store_dtypes(cache_root: str | os.PathLike, path: str | os.PathLike |
         p = Path(path)
         s = parse_output_code(p.read_text(errors="replace"))
     return {"module": str(p), "candidates": [str(c) for c in cands], **s}
+
+
+def norm_sum_orders(s: dict) -> list[tuple[int, int]]:
+    """The order of each RMSNorm reduction of the engine's graph, in the order the graph runs them, from a summary
+    of :func:`engine_store_dtypes`: ``(vec, n)`` per reduction (``n`` vectors of ``vec`` fp32 lanes, see
+    ``roundalign.numerics.regions.sum_sq_in_order``). A kernel that norms q and k (Qwen3) holds two reductions, in
+    the order its loops run. Raises where a reduction is not the plain vectorized loop that function reproduces
+    (a masked tail, another horizontal reduction, an unreadable step)."""
+    orders = []
+    for c in s["calls"]:
+        k = s["kernels"][c["kernel"]]
+        if "rms_norm" not in k["role"]:
+            continue
+        for r in k["reductions"]:
+            n = 1 if r["acc"] == "Vectorized<float>" else int(re.fullmatch(r"VectorizedN<float,(\d+)>", r["acc"])[1])
+            if r["lanes"] is None or r["lanes"] % n or r["masked_tail"] or r["horizontal"] != "vec_reduce_all":
+                raise ValueError(f"kernel {c['kernel']}: a reduction roundalign does not reproduce: {r}")
+            orders.append((r["lanes"] // n, n))
+    return orders
 
 
 def format_summary(s: dict) -> str:

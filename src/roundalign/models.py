@@ -127,7 +127,8 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
     if rec is not None:  # saved from an aligned model: a plain from_pretrained would silently give stock numerics
         print(f"[roundalign] {path}: re-applying the recorded alignment variant={rec[0]} engine={rec[1]} "
               f"kernels={rec[2]}", flush=True)
-        apply_alignment(model, *rec)
+        orders = getattr(model.config, "roundalign", {}).get("norm_sum_orders")
+        apply_alignment(model, *rec, norm_sum_orders=orders)
     return model
 
 

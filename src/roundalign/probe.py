@@ -166,16 +166,20 @@ def rms_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / den) if den > 0 else math.nan
 
 
-def compare_variants(model, samples, cfg: ProbeConfig, label: str, engine_label: str, log=print):
+def compare_variants(model, samples, cfg: ProbeConfig, label: str, engine_label: str, log=print,
+                     norm_sum_orders=None):
     """Rescore ``samples`` (engine completions with their logprobs) with every trainer variant of ``cfg``; returns
     (rows, layer_rows) of the probe tables. Layer rows need ``Sample.layer_states`` (the emulated engine's);
-    samples from real vLLM have none and give none. The trainer runs on the device of ``model``."""
+    samples from real vLLM have none and give none. The trainer runs on the device of ``model``.
+    ``norm_sum_orders``: the real compiled CPU engine's RMSNorm reduction orders, given to the variants that align
+    the norm (``apply_alignment``)."""
     engine_logp, mask = _pad([s.logprobs for s in samples])
     device = next(model.parameters()).device
     rows, layer_rows = [], []
     for k, variant in enumerate(cfg.variants, 1):
         t1 = time.perf_counter()
-        apply_alignment(model, variant, cfg.engine)
+        apply_alignment(model, variant, cfg.engine,
+                        norm_sum_orders=norm_sum_orders if variant in ("norm", "full") else None)
         logps, ents, per_layer = [], [], [[] for _ in model.model.layers]
         for s in samples:
             with torch.device(device):  # trainer_logprobs builds its id tensors without a device

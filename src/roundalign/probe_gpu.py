@@ -74,9 +74,11 @@ def vllm_sample(cfg: ProbeConfig, prompts: list[list[int]], *, gpu_memory_utiliz
     try:
         settings = check_engine_map(llm, cfg.engine, log=log)
         if cpu:
-            from .vllm_cpu import engine_kernels
+            from .vllm_cpu import engine_kernels, engine_norm_sum_orders
 
             settings = {**settings, "kernels": engine_kernels(llm)}
+            if cfg.engine == "vllm-cpu-compiled":  # how its fused norms reduce, read from its own Inductor code
+                settings["norm_sum_orders"] = [list(o) for o in engine_norm_sum_orders(llm)]
         params = [vllm.SamplingParams(temperature=cfg.temperature, top_p=1.0, top_k=0, min_p=0.0,
                                       seed=cfg.seed * 1_000_003 + i, max_tokens=cfg.max_new_tokens, logprobs=0)
                   for i in range(len(prompts))]
@@ -224,11 +226,13 @@ def run_probe_gpu(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda"
     trainer_attn = cfg.trainer_attn or cfg.attn
     model.set_attn_implementation(trainer_attn)
     log(f"[probe] trainer (attention {trainer_attn}) vs real vLLM ({cfg.engine}), sampled tokens:")
-    rows, _ = compare_variants(model, real, cfg, label, cfg.engine, log)
+    orders = settings.get("norm_sum_orders")
+    rows, _ = compare_variants(model, real, cfg, label, cfg.engine, log, norm_sum_orders=orders)
     forced_rows, real_layer_rows = [], []
     if forced is not None:
         log(f"[probe] trainer (attention {trainer_attn}) vs real vLLM ({cfg.engine}), teacher-forced prefill:")
-        forced_rows, real_layer_rows = compare_variants(model, forced, cfg, label, cfg.engine, log)
+        forced_rows, real_layer_rows = compare_variants(model, forced, cfg, label, cfg.engine, log,
+                                                        norm_sum_orders=orders)
     model.set_attn_implementation(cfg.attn)
     log(f"[probe] trainer (attention {cfg.attn}) vs the emulated engine on {device}:")
     emu_rows, layer_rows = compare_variants(model, emulated, cfg, label, cfg.engine, log)

@@ -623,6 +623,21 @@ def save_final_policy(trainer, dest: Path) -> None:
     D.barrier()
 
 
+def _engine_norm_sum_orders(trainer, cfg: TrainConfig, log) -> list | None:
+    """The colocated compiled CPU engine's RMSNorm reduction orders, read from its Inductor code, for a variant that
+    aligns the norm; None where there is nothing to read (another engine or variant, or a server-mode engine in
+    another process: then the norms keep their own reductions, and the log says so)."""
+    if cfg.backend != "vllm" or cfg.engine != "vllm-cpu-compiled" or cfg.alignment not in ("norm", "full"):
+        return None
+    if cfg.vllm_mode != "colocate":
+        log("[train] server-mode engine: its norms' reduction orders cannot be read from here; the trainer's norms "
+            "keep their own (a few tokens may differ, docs/numerics.md)")
+        return None
+    from .vllm_cpu import engine_norm_sum_orders
+
+    return engine_norm_sum_orders(trainer.vllm_generation.llm)
+
+
 def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: dict, callbacks, log):
     import contextlib
 
@@ -687,6 +702,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
+    orders = None
     if cfg.backend == "vllm":
         from .vllm_guard import guard_trainer
 
@@ -700,11 +716,15 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
             if set(kernels.get("gemm", {})) != {LIVE_GEMM}:
                 raise RuntimeError(f"vLLM-CPU engine's GEMMs are {kernels.get('gemm')}, not {LIVE_GEMM!r} on every "
                                    "linear layer: TRL's weight sync would not reach them")
+        orders = _engine_norm_sum_orders(trainer, cfg, log)
+        if orders is not None:  # the norms sum their squares as the engine's fused kernels do (apply_alignment)
+            apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
+            files.record["vllm_engine"]["norm_sum_orders"] = [f"{v}x{n}" for v, n in orders]
         files.write()
     if getattr(trainer, "ref_model", None) is not None:
         # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
         # KL would measure the alignment itself (4e-4 nats at step 1 on a tiny model before this line)
-        apply_alignment(trainer.ref_model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
+        apply_alignment(trainer.ref_model, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
     trainer.log_mismatch = cfg.mismatch_metrics
     if cfg.use_is_correction:
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)

@@ -237,6 +237,33 @@ def engine_kernels(llm) -> dict:
             "kv_cache_dtype": str(cfg.cache_config.cache_dtype)}
 
 
+def engine_norm_sum_orders(llm) -> list[tuple[int, int]]:
+    """The order in which each RMSNorm of a built compiled CPU engine sums its squares, read from the engine's own
+    Inductor output code (``roundalign.inductor_code.norm_sum_orders``), in the order its graph runs the norms;
+    for ``apply_alignment(..., norm_sum_orders=...)``. Inductor picks each fused kernel's vector tiling from
+    what the kernel fuses (an fp32 store makes it 16 lanes on AVX-512, bf16 loads alone 2 x 16), so the trainer's
+    norms, compiled one region at a time, would otherwise sum some rows in another order.
+
+    Where the code lives: vLLM 0.31.0 compiles under ``$VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/
+    <hash>`` and points ``TORCHINDUCTOR_CACHE_DIR`` at its ``inductor_cache`` (vllm/compilation/decorators.py:
+    ``compilation_config.local_cache_dir``); a cache hit reads the code written by the first build."""
+    from pathlib import Path
+
+    from . import inductor_code
+
+    llm = getattr(llm, "llm", llm)  # TRL's VLLMGeneration holds the LLM as .llm
+    cc = llm.llm_engine.vllm_config.compilation_config
+    if int(cc.mode) == 0:
+        raise ValueError("the engine runs eagerly (enforce_eager): it has no Inductor graph to read reduction "
+                         "orders from")
+    local = Path(cc.local_cache_dir or "")
+    roots = [p for p in (local, *local.parents) if (p / "inductor_cache").is_dir()] if cc.local_cache_dir else []
+    if not roots:
+        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {cc.local_cache_dir!r} "
+                                "(vLLM keeps it under $VLLM_CACHE_ROOT/torch_compile_cache)")
+    return inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(roots[0] / "inductor_cache"))
+
+
 def _spans(attention_mask, bsz: int, tq: int, tk: int) -> list[tuple[int, int, int, int, int]]:
     """Each sequence's request: ``(b, q0, q1, lo, hi)``, its queries ``q0:q1`` and keys ``lo:hi`` (padding removed).
 

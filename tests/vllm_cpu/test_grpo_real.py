@@ -164,5 +164,11 @@ def test_grpo_with_the_engines_attention_is_on_policy_against_the_real_engine(sf
         k3[variant] = [r["mismatch/token/k3"] for r in rows]
         run = json.loads((tmp_path / variant / "run.json").read_text())
         assert run["config"]["attn"] == "vllm_cpu"
+        # against the compiled engine, full's norms sum as the engine's fused kernels do, read from its own code
+        orders = run["vllm_engine"].get("norm_sum_orders")
+        if engine == "vllm-cpu-compiled" and variant == "full":
+            assert orders and set(orders) <= {"16x1", "16x2", "8x1", "8x2"}, orders
+        else:
+            assert orders is None, orders
     assert all(0 <= x <= 1e-10 for x in k3["full"]), k3
     assert all(x > 1e-8 for x in k3["baseline"]), k3

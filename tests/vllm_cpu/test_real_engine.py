@@ -37,16 +37,14 @@ MODELS = {
 }
 LENGTHS = (3, 17, 40, 77, 130, 200)
 
-# Which sequences the trainer's compiled norm kernels do not reproduce against the compiled engine depends on the
-# CPU: the engine's one graph sums each RMSNorm's x^2 inside a fused kernel (with the residual adds and the embedding
-# gather) whose reduction order follows Inductor's vector width and tiling, while the trainer's region kernels are
-# compiled alone. Measured on an AMD EPYC whose ATen dispatches AVX512 (2026-12-02): qwen2-untied-L2-d64 is bitwise
-# on 432 of 461 tokens, and the emulated one-graph engine with Inductor's own reduction on all 461 (test below); the
-# HARD sequence is bitwise there. On the AVX2 machines the map was first read on, the reverse: d64 bitwise, HARD not.
-# (The rounding map itself holds on both: test_compiled_map_is_the_real_engines_inductor_output_code.)
+# The engine's one graph sums each RMSNorm's x^2 inside a fused kernel (with the residual adds and the embedding
+# gather) whose vector tiling Inductor picks from what the kernel fuses: on AVX-512, 2 x 16 lanes where it loads and
+# stores bf16 only, 16 lanes where it also stores the fp32 residual. A trainer norm compiled alone picks its own, so
+# which tokens it missed depended on the CPU and the model (qwen2-untied-L2-d64: 432/461 on an AMD EPYC with
+# AVX-512; qwen3-tied-L4-d32: 392/461 on an Intel Xeon with AMX; the HARD sequence below on AVX2). The trainer
+# now reads each norm's order from the engine's own output code (vllm_cpu.engine_norm_sum_orders) and reduces
+# that way (regions.sum_sq_in_order); compiled-mode cases pass those orders.
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-_REDUCTION_REASON = ("Inductor's RMSNorm reduction order in the engine's fused kernels, which the trainer's region "
-                     "kernels do not reproduce on this CPU for this model")
 VOCAB = 256
 
 # On CPUs with AMX, vLLM-CPU's stock GEMM dispatch is SGL's weight_packed_linear (AMX tiles;
@@ -98,9 +96,10 @@ class _Engines:
             for s in _sequences():
                 out = llm.generate([{"prompt_token_ids": s}], sp, use_tqdm=False)[0]
                 logps.append(torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))]))
+            orders = vllm_cpu.engine_norm_sum_orders(llm) if mode == "compiled" else None
             settings = vllm_guard.engine_settings(llm)
             problems = {e: vllm_guard.map_problems(settings, e) for e in (*CPU_ENGINES, "vllm-compiled", "vllm-eager")}
-            self.results[key] = {"logps": logps, "settings": settings, "problems": problems,
+            self.results[key] = {"logps": logps, "settings": settings, "problems": problems, "orders": orders,
                                  "kernels": vllm_cpu.engine_kernels(llm)}
             del llm
             gc.collect()
@@ -117,9 +116,9 @@ def next_token_logps(logits, s):
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1)
 
 
-def trainer_logps(model, variant, engine, attn, kernels=None):
+def trainer_logps(model, variant, engine, attn, kernels=None, orders=None):
     model.set_attn_implementation(attn)
-    apply_alignment(model, variant, engine, kernels=kernels)
+    apply_alignment(model, variant, engine, kernels=kernels, norm_sum_orders=orders)
     with torch.no_grad():
         return [next_token_logps(model(input_ids=torch.tensor([s])).logits[0, :-1], s) for s in _sequences()]
 
@@ -142,12 +141,13 @@ def _hard_sequence():
 
 
 def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, tmp_path):
-    """Isolation of what is left against the compiled engine. The emulated one-graph engine (engine/compiled.py:
-    vLLM's formulas as one Inductor graph, vLLM's CPU attention ops) with Inductor's own RMSNorm reduction equals
-    the real engine on every token; the same emulation with the trainer's reduction equals the trainer on every
-    token. So the difference is the order in which Inductor sums x^2 in each fused norm kernel of the whole graph
-    (its code uses 16- or 8-lane accumulators depending on the kernel: roundalign.inductor_code), not where
-    rounding happens."""
+    """Isolation of what was left against the compiled engine, and its removal. The emulated one-graph engine
+    (engine/compiled.py: vLLM's formulas as one Inductor graph, vLLM's CPU attention ops) with Inductor's own
+    RMSNorm reduction equals the real engine on every token; the same emulation with the trainer's reduction
+    equals the trainer on every token. So the difference is the order in which Inductor sums x^2 in each fused
+    norm kernel of the whole graph (its code uses 1 or 2 vectors of 16 or 8 lanes depending on the kernel:
+    roundalign.inductor_code), not where rounding happens; and the trainer with the orders read from the engine's
+    code equals the real engine on every token."""
     from vllm import LLM, SamplingParams
 
     from roundalign.engine import EngineModel
@@ -165,6 +165,7 @@ def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, 
         vllm_cpu.uninstall_live_gemm_dispatch()
     out = llm.generate([{"prompt_token_ids": s}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     real = torch.tensor([out.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))])
+    orders = vllm_cpu.engine_norm_sum_orders(llm)
     del llm
     gc.collect()
 
@@ -179,24 +180,22 @@ def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, 
     assert torch.equal(emulated["inductor"], real)
     assert torch.equal(emulated["opaque"], trainer)
     differ = int((trainer != real).sum())
-    print(f"\ntrainer full vs real compiled engine on the hard sequence: {differ}/{len(s) - 1} tokens differ")
-    if not AVX512:  # there (see AVX512) this sequence is bitwise: the two reductions agree on it
-        assert differ > 0  # if this starts to pass bitwise, the trainer reproduces Inductor's reduction: update docs
+    apply_alignment(model, "full", "vllm-cpu-compiled", norm_sum_orders=orders)
+    with torch.no_grad():
+        ordered = next_token_logps(model(input_ids=torch.tensor([s])).logits[0, :-1], s)
+    print(f"\ntrainer full vs real compiled engine on the hard sequence: {differ}/{len(s) - 1} tokens differ with "
+          f"its own norm reductions, {int((ordered != real).sum())} with the engine's orders {sorted(set(orders))}")
+    assert torch.equal(ordered, real)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_full_is_bitwise_equal_to_the_real_engine_with_its_attention_kernel(engines, name, mode, request):
-    if AVX512 and (name, mode) == ("qwen2-untied-L2-d64", "compiled"):
-        request.applymarker(pytest.mark.xfail(reason=_REDUCTION_REASON + " (measured 432/461 tokens)", strict=False))
-    if AMX and (name, mode) == ("qwen3-tied-L4-d32", "compiled"):  # an open gap (the on-policy issue's item 4)
-        request.applymarker(pytest.mark.xfail(reason=_REDUCTION_REASON + " (measured 392/461 tokens on an Intel "
-                                              "Xeon with AMX, the same with F.linear or SGL GEMMs in the engine)",
-                                              strict=False))
-    eng = engines.get(name, mode)["logps"]
+def test_full_is_bitwise_equal_to_the_real_engine_with_its_attention_kernel(engines, name, mode):
+    r = engines.get(name, mode)
+    eng, orders = r["logps"], r["orders"]
     engine = f"vllm-cpu-{mode}"
     model = _model(name)
-    exact, n, k3, _ = mismatch(trainer_logps(model, "full", engine, "vllm_cpu"), eng)
+    exact, n, k3, _ = mismatch(trainer_logps(model, "full", engine, "vllm_cpu", orders=orders), eng)
     assert exact == n, f"full vs real {engine}: {exact}/{n} tokens bitwise, k3 {k3:.2e}"
     base_exact, _, base_k3, _ = mismatch(trainer_logps(model, "baseline", engine, "vllm_cpu"), eng)
     assert base_exact < 0.2 * n and base_k3 > 0, (base_exact, n, base_k3)
@@ -252,17 +251,31 @@ def test_what_full_misses_against_the_compiled_engine_is_inductors_norm_reductio
     assert exact == n, f"emulated one graph (Inductor's reduction) vs real compiled engine: {exact}/{n}, k3 {k3:.2e}"
 
 
-def test_compiled_engine_with_eager_region_kernels_is_nearly_bitwise(engines, request):
-    if AMX:  # an open gap (the on-policy issue's item 4), measured with the engine on F.linear GEMMs
-        request.applymarker(pytest.mark.xfail(reason=_REDUCTION_REASON + " (measured 442/461 tokens on an Intel Xeon "
-                                              "with AMX)", strict=False))
-    # Eager region kernels reduce the RMSNorm mean in ATen's order, the engine in Inductor's: measured here,
-    # 1 of 449 tokens one fp32 ulp apart on this model (the default for this target is compiled kernels).
-    name = "qwen2-untied-L4-d32"
-    eng = engines.get(name, "compiled")["logps"]
-    out = trainer_logps(_model(name), "full", "vllm-cpu-compiled", "vllm_cpu", kernels="eager")
-    exact, n, k3, _ = mismatch(out, eng)
-    assert exact >= 0.98 * n and k3 < 1e-8, (exact, n, k3)
+def test_norm_sum_orders_read_from_the_engine_make_either_kernel_mode_bitwise(engines):
+    """The orders are what makes the compiled cases bitwise, whichever way the trainer's regions run:
+    - eager region kernels (separate torch ops) with the engine's orders are bitwise on every model
+      (``sum_sq_in_order`` is elementwise: no reduction kernel of the trainer picks an order);
+    - negative control: with each order replaced by the other tiling (1 vector <-> 2 vectors of the same width),
+      tokens are missed (over all models: which model is sensitive to the order depends on the CPU; on an Intel
+      Xeon with AMX only the Qwen3 ones are), so the orders read are not a choice any reduction would pass."""
+    totals = {"engine": 0, "flipped": 0, "own": 0, "n": 0}
+    for name in MODELS:
+        r = engines.get(name, "compiled")
+        eng, orders = r["logps"], r["orders"]
+        model = _model(name)
+        exact, n, k3, _ = mismatch(trainer_logps(model, "full", "vllm-cpu-compiled", "vllm_cpu", kernels="eager",
+                                                 orders=orders), eng)
+        assert exact == n, f"{name}: eager region kernels with the engine's orders: {exact}/{n}, k3 {k3:.2e}"
+        flipped = [(vec, 2 if k == 1 else 1) for vec, k in orders]
+        exact_f, _, k3_f, _ = mismatch(trainer_logps(model, "full", "vllm-cpu-compiled", "vllm_cpu",
+                                                     orders=flipped), eng)
+        own, _, k3_own, _ = mismatch(trainer_logps(model, "full", "vllm-cpu-compiled", "vllm_cpu"), eng)
+        print(f"\n{name}: engine's orders {n}/{n}; flipped {exact_f}/{n} (k3 {k3_f:.2e}); the trainer's own "
+              f"compiled reductions {own}/{n} (k3 {k3_own:.2e}); orders {sorted(set(orders))}")
+        for key, value in (("engine", exact), ("flipped", exact_f), ("own", own), ("n", n)):
+            totals[key] += value
+    print(f"all models: {totals}")
+    assert totals["flipped"] < totals["n"], totals
 
 
 @pytest.mark.parametrize("mode", MODES)

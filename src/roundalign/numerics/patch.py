@@ -82,6 +82,7 @@ _STATE_ATTR = "_roundalign_state"  # (variant, engine, kernels) on the top-level
 _PLAN_ATTR = "_roundalign_plan"  # RoundingPlan on each patched submodule
 _KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace on each patched submodule
 _OWN_CONFIG_ATTR = "_roundalign_own_config"  # the config copy apply_alignment made for this model
+_SUM_ORDER_ATTR = "_roundalign_sum_order"  # (vec, n) on an aligned RMSNorm: its engine kernel's reduction order
 
 
 def decoder_trunk(model: nn.Module) -> nn.Module:
@@ -148,11 +149,12 @@ class _AlignedRMSNorm:
         unrounded fp32 value, which RoPE reads."""
         K = _kernels(self)
         plan: RoundingPlan = getattr(self, _PLAN_ATTR)
+        order = {"sum_order": o} if (o := getattr(self, _SUM_ORDER_ATTR, None)) is not None else {}
         if residual is not None and plan.residual != "bf16":
             return K.add_rmsnorm_fp32_sum(hidden_states, residual, self.weight, eps=self.variance_epsilon,
-                                          keep_fp32_sum=plan.residual != "fp32-read", norm=plan.norm)
+                                          keep_fp32_sum=plan.residual != "fp32-read", norm=plan.norm, **order)
         if residual is not None:
-            return K.add_rmsnorm_bf16_sum(hidden_states, residual, self.weight, eps=self.variance_epsilon)
+            return K.add_rmsnorm_bf16_sum(hidden_states, residual, self.weight, eps=self.variance_epsilon, **order)
         lo = _take_lo(self, hidden_states) if plan.residual != "bf16" else None
         if plan.norm == "hf":
             # the native formula run eagerly (vLLM-CPU eager): HF's roundings, of the unrounded sum if there is one
@@ -160,8 +162,8 @@ class _AlignedRMSNorm:
                                       out_dtype=self.weight.dtype)
         hidden_states = _join(hidden_states, lo)
         if _roundalign_fp32:
-            return K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon, keep_fp32=True)
-        return K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon)
+            return K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon, keep_fp32=True, **order)
+        return K.rmsnorm_fused(hidden_states, self.weight, eps=self.variance_epsilon, **order)
 
 
 class _AlignedDecoderLayer:
@@ -324,7 +326,7 @@ def _install(module: nn.Module, plan: RoundingPlan, kernels: str, **extra) -> No
 
 def _uninstall(module: nn.Module) -> None:
     module.__class__ = _stock_class(module)
-    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32", SLOT_ATTR):
+    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32", SLOT_ATTR, _SUM_ORDER_ATTR):
         module.__dict__.pop(attr, None)
 
 
@@ -337,8 +339,42 @@ def default_kernels(engine: str, dtype: torch.dtype = torch.bfloat16) -> str:
     return "compiled" if check_engine(engine) == "vllm-cpu-compiled" and dtype != torch.float32 else "eager"
 
 
-def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled", kernels: str | None = None
-                    ) -> nn.Module:
+def norm_modules(model: nn.Module) -> list[nn.Module]:
+    """The RMSNorms of a Qwen2/Qwen3 trunk in the order its forward runs them: per layer the input norm, (Qwen3)
+    the q and k norms, the post-attention norm; then the final norm."""
+    trunk = decoder_trunk(model)
+    out = []
+    for layer in trunk.layers:
+        attn = layer.self_attn
+        out += [layer.input_layernorm, *([attn.q_norm, attn.k_norm] if _is_qwen3(attn) else []),
+                layer.post_attention_layernorm]
+    return [*out, trunk.norm]
+
+
+def _set_sum_orders(model: nn.Module, plan: RoundingPlan, variant: str, engine: str, orders) -> list | None:
+    if orders is None:
+        return None
+    orders = [tuple(int(v) for v in o) for o in orders]
+    norms = norm_modules(model)
+    if engine != "vllm-cpu-compiled" or variant not in ("norm", "full"):
+        raise ValueError(f"norm_sum_orders are the reduction orders of vLLM-CPU's compiled engine's fused norms: they "
+                         f"apply to variant 'norm' or 'full' with engine 'vllm-cpu-compiled', not {variant!r} with "
+                         f"{engine!r}")
+    if len(orders) != len(norms):
+        raise ValueError(f"norm_sum_orders has {len(orders)} entries; this model runs {len(norms)} RMSNorms "
+                         f"(per layer input{', q, k' if len(norms) > 2 * len(decoder_trunk(model).layers) + 1 else ''}"
+                         f", post-attention; then the final norm): was the engine's graph read for another model?")
+    for m, o in zip(norms, orders):
+        width = o[0] * o[1]
+        size = m.weight.shape[-1]
+        if size % width:
+            raise ValueError(f"reduction order {o} does not tile this model's {size}-wide RMSNorm")
+        setattr(m, _SUM_ORDER_ATTR, o)
+    return [list(o) for o in orders]
+
+
+def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled", kernels: str | None = None,
+                    norm_sum_orders=None) -> nn.Module:
     """Make ``model`` round like ``engine`` in the regions ``variant`` selects; in place, returns ``model``.
 
     Args:
@@ -362,6 +398,12 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             elements), ``create_graph=True`` runs the eager formula, so double backward works.
             None (default): ``default_kernels(engine, dtype)``, i.e. ``compiled`` for ``vllm-cpu-compiled`` on a
             bf16/fp16 model, else ``eager``.
+        norm_sum_orders: ``vllm-cpu-compiled`` with ``norm``/``full`` only: per RMSNorm (``norm_modules`` order),
+            the ``(vec, n)`` order in which the engine's fused kernel sums the squares, as read from the engine's
+            own Inductor code (``roundalign.vllm_cpu.engine_norm_sum_orders(llm)``). Inductor picks it per kernel
+            from what the kernel fuses (16 or 32 lanes on AVX-512), so a norm compiled alone can sum in another
+            order and miss tokens; with these orders the norms reduce as the engine's kernels do, in both kernel
+            modes (``regions.sum_sq_in_order``). None: each norm reduces as its own kernel does.
 
     Re-applying replaces the previous alignment (applying the same variant twice is the same as
     once). Only this instance changes; the transformers classes are not touched. The alignment is
@@ -398,6 +440,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     _uninstall(trunk.norm)
     if plan.aligns_norm:
         _install(trunk.norm, plan, kernels, **{SLOT_ATTR: slot})
+    orders = _set_sum_orders(model, plan, variant, engine, norm_sum_orders)
     setattr(model, _STATE_ATTR, (variant, engine, kernels))
     # Record the alignment in a config of this model's own: HF models built from one config object share it,
     # and writing into a shared one would make a never-aligned sibling save (and load_model re-apply) it.
@@ -414,7 +457,8 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     if variant == "baseline":
         own.__dict__.pop("roundalign", None)
     else:
-        own.roundalign = {"variant": variant, "engine": engine, "kernels": kernels}
+        own.roundalign = {"variant": variant, "engine": engine, "kernels": kernels,
+                          **({"norm_sum_orders": orders} if orders else {})}
     return model
 
 

