@@ -173,3 +173,27 @@ def test_fault_point_names_are_checked_and_fire_once(tmp_path, monkeypatch):
     monkeypatch.setenv("ROUNDALIGN_FAULT_INJECT", f"after_model@3@{tmp_path / 'unfired'}@/baseline/")
     C.fault_point("after_model", 3, "/runs/smoke/m/full/seed0/checkpoints")  # another run of the sweep: no kill
     assert not (tmp_path / "unfired").exists()
+
+
+def test_mark_complete_flushes_every_file_before_the_marker_exists(tmp_path, monkeypatch):
+    """The order a crash cannot show (a SIGKILL keeps the page cache, so both orders end alike after a kill): every
+    file and directory of the checkpoint is fsynced before the marker is written, then the marker itself."""
+    from roundalign import checkpoints as C
+
+    ckpt = tmp_path / "checkpoint-3"
+    (ckpt / "global_step3").mkdir(parents=True)
+    for rel in ("model.safetensors", "optimizer.pt", "global_step3/shard.pt"):
+        (ckpt / rel).write_bytes(b"x" * 10)
+    events = []
+    real_fsync, real_write = C._fsync, C.atomic_write_json
+    monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "1")
+    monkeypatch.setattr(C, "_fsync", lambda p: (events.append(("fsync", Path(p).relative_to(tmp_path).as_posix())),
+                                                real_fsync(p)))
+    monkeypatch.setattr(C, "atomic_write_json", lambda p, obj: (events.append(("marker", Path(p).name)),
+                                                                real_write(p, obj)))
+    C.mark_complete(ckpt)
+    marker_at = events.index(("marker", C.MARKER))
+    before = {p for kind, p in events[:marker_at] if kind == "fsync"}
+    assert before == {"checkpoint-3", "checkpoint-3/global_step3", "checkpoint-3/model.safetensors",
+                      "checkpoint-3/optimizer.pt", "checkpoint-3/global_step3/shard.pt"}, events
+    assert events[marker_at + 1:] == [("fsync", f"checkpoint-3/{C.MARKER}"), ("fsync", "checkpoint-3")], events

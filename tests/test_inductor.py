@@ -278,3 +278,24 @@ def test_sum_sq_in_order_is_inductors_reduction_read_from_its_code(dtype, stores
     assert not torch.equal(s.pow(2).sum(-1, keepdim=True), got[1])  # torch's own order differs: the test has teeth
     other = regions.sum_sq_in_order(s, (vec, 2 if n == 1 else 1))
     assert not torch.equal(other, got[1])
+
+
+def test_find_output_code_can_keep_to_vllms_own_graphs(tmp_path):
+    """vLLM points the process's TORCHINDUCTOR_CACHE_DIR into its compile cache, so a probe's emulated one-graph
+    engine (its attention op is roundalign's) lands beside the real engine's graph, with more kernel calls; reading
+    the engine's reduction orders from it gave none (seen in a sweep). ``vllm_only`` keeps to graphs of vLLM ops."""
+    from roundalign.inductor_code import find_output_code
+
+    def module(attention_op, calls):
+        body = "\n".join(f"    cpp_fused_k_{i}(buf{i})" for i in range(calls))
+        return (f"cpp_fused_k_0 = async_compile.cpp_pybinding([], r'''\n''')\n"
+                f"def call(args):\n    {attention_op}(q, k, v)\n{body}\n")
+
+    d = tmp_path / "torch_aot_compile" / "h" / "inductor_cache"
+    (d / "aa").mkdir(parents=True)
+    (d / "bb").mkdir()
+    (d / "aa" / "real.py").write_text(module("torch.ops.vllm.unified_attention_with_output.default", 3))
+    (d / "bb" / "emulated.py").write_text(module("torch.ops.roundalign.engine_attention.default", 9))
+    (d / "bb" / "regions.py").write_text("def call(args):\n    cpp_fused_rmsnorm_0(buf0)\n")  # no attention
+    assert sorted(p.name for p in find_output_code(tmp_path)) == ["emulated.py", "real.py"]
+    assert [p.name for p in find_output_code(tmp_path, vllm_only=True)] == ["real.py"]

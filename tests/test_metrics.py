@@ -394,3 +394,16 @@ def test_bad_is_clip_rejected(clip):
         mismatch_metrics(
             torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), is_clip=clip
         )
+
+
+def test_health_flag_any_raises_on_chi2_alone():
+    """Token deltas of +-0.75 violate verl's chi2 check (mean(rho^2) - 1 = 1.35 > 1) and no other: IS mean 1.29,
+    std 0.82, ESS 0.71, k1 0. ``any`` must still be raised (a mutation leaving chi2 out of it survived the suite)."""
+    from roundalign.metrics import mismatch_metrics, verl_health_flags
+
+    delta = torch.tensor([[0.75, -0.75] * 8], dtype=torch.float64)
+    engine = torch.full_like(delta, -1.0)
+    tok = mismatch_metrics(engine + delta, engine, torch.ones_like(delta, dtype=torch.bool))["token"]
+    flags = {k: float(v) for k, v in verl_health_flags(tok).items()}
+    assert flags == {"is_mean": 0.0, "ess": 0.0, "is_std": 0.0, "kl": 0.0, "chi2": 1.0, "any": 1.0}, flags
+    assert float(tok["mismatch_chi2"]) == pytest.approx(math.cosh(1.5) - 1)

@@ -349,3 +349,21 @@ def test_norm_sum_orders_reach_every_norm_and_are_checked(arch, tmp_path, monkey
         apply_alignment(model, "full", "vllm-compiled", norm_sum_orders=orders)
     with pytest.raises(ValueError, match="does not tile"):
         apply_alignment(model, "full", "vllm-cpu-compiled", norm_sum_orders=[(64, 4)] * len(norms))
+
+
+@pytest.mark.parametrize("engine", ["vllm-compiled", "vllm-cpu-compiled"])
+def test_a_hook_that_replaces_a_layers_output_drops_the_carried_low_part(engine):
+    """The carrier slot hands the fp32 low part of the residual sum to the next layer only if that layer's input IS
+    the tensor the previous layer returned. A forward hook that replaces the output (here with zeros of the same
+    shape and dtype) must make the next layer read exactly the replacement, not replacement + the old low part
+    (a mutation matching the slot by shape survived a suite whose hooks only observe)."""
+    model = random_qwen("qwen2", layers=3)
+    apply_alignment(model, "full", engine)
+    layers = model.model.layers
+    seen = {}
+    layers[0].register_forward_hook(lambda m, args, out: torch.zeros_like(out))
+    layers[1].input_layernorm.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    layers[2].input_layernorm.register_forward_pre_hook(lambda m, args: seen.setdefault("next", args[0]))
+    logits(model)
+    assert seen["x"].dtype == torch.bfloat16 and not seen["x"].any(), seen["x"]
+    assert seen["next"].dtype == torch.float32  # the unhooked layer 1 still carries its low part to layer 2

@@ -410,9 +410,12 @@ def parse_output_code(text: str) -> dict:
     }
 
 
-def find_output_code(cache_root: str | os.PathLike) -> list[Path]:
+def find_output_code(cache_root: str | os.PathLike, vllm_only: bool = False) -> list[Path]:
     """Inductor output-code modules under a vLLM cache root that hold a model graph: a ``def call`` wrapper,
-    ``cpp_fused_`` kernels and an attention custom op (sampler graphs have no attention). Newest first."""
+    ``cpp_fused_`` kernels and an attention custom op (sampler graphs have no attention). Newest first.
+    ``vllm_only``: only graphs that call vLLM's own ops (``torch.ops.vllm.*``). vLLM points the process's
+    ``TORCHINDUCTOR_CACHE_DIR`` into its compile cache, so whatever the process compiles afterwards lands there too,
+    e.g. the emulated one-graph engine (``torch.ops.roundalign.engine_attention``) of a probe run."""
     found = []
     for p in Path(cache_root).rglob("*.py"):
         if "inductor_cache" not in p.parts:
@@ -421,17 +424,19 @@ def find_output_code(cache_root: str | os.PathLike) -> list[Path]:
             t = p.read_text(errors="replace")
         except OSError:
             continue
-        if _CALL_DEF_RE.search(t) and "cpp_fused_" in t and re.search(r"torch\.ops\.\w+\.\w*attention", t):
+        if _CALL_DEF_RE.search(t) and "cpp_fused_" in t and re.search(r"torch\.ops\.\w+\.\w*attention", t) \
+                and (not vllm_only or "torch.ops.vllm." in t):
             found.append(p)
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def engine_store_dtypes(cache_root: str | os.PathLike, path: str | os.PathLike | None = None) -> dict:
+def engine_store_dtypes(cache_root: str | os.PathLike, path: str | os.PathLike | None = None,
+                        vllm_only: bool = False) -> dict:
     """Find the engine's model output code under ``cache_root`` (``$VLLM_CACHE_ROOT``) and summarise where
     it stores bf16.
 
-    If several model modules exist (several compile ranges or models under one root), the one with the
-    most kernel calls is used; ``path`` picks one explicitly. Returned keys (all JSON-serialisable):
+    ``vllm_only``: see :func:`find_output_code`. If several model modules exist (several compile ranges or models
+    under one root), the one with the most kernel calls is used; ``path`` picks one explicitly. Returned keys (all JSON-serialisable):
 
     * ``module``, ``candidates``: the module parsed and all model modules found.
     * ``n_cpp_fused`` / ``n_kernel_calls``: distinct fused kernels / their calls in ``call()``;
@@ -450,7 +455,7 @@ def engine_store_dtypes(cache_root: str | os.PathLike, path: str | os.PathLike |
       kv_cache_update, output); ``extern_outputs_read_by_kernels``: GEMM/attention outputs read by kernels.
     * ``in_kernel_bf16_roundtrips`` / ``in_kernel_dead_bf16_casts``: totals over kernels.
     """
-    cands = find_output_code(cache_root)
+    cands = find_output_code(cache_root, vllm_only=vllm_only)
     if path is None:
         if not cands:
             raise FileNotFoundError(f"no Inductor model output code under {cache_root}")

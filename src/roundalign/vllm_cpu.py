@@ -261,7 +261,12 @@ def engine_norm_sum_orders(llm) -> list[tuple[int, int]]:
     if not roots:
         raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {cc.local_cache_dir!r} "
                                 "(vLLM keeps it under $VLLM_CACHE_ROOT/torch_compile_cache)")
-    return inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(roots[0] / "inductor_cache"))
+    # vllm_only: the process's later compiles land in the same cache (a probe's emulated engine has its own graph)
+    orders = inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(roots[0] / "inductor_cache",
+                                                                            vllm_only=True))
+    if not orders:
+        raise ValueError(f"the engine's graph under {roots[0]} has no RMSNorm reduction that roundalign can read")
+    return orders
 
 
 def _spans(attention_mask, bsz: int, tq: int, tk: int) -> list[tuple[int, int, int, int, int]]:
