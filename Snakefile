@@ -5,6 +5,7 @@ snakemake --profile workflow/profiles/slurm --configfile configs/paper.yaml    #
 snakemake -s workflow/figures.smk --cores 1                             # figures from committed tables only
 """
 
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -17,6 +18,12 @@ if "models" not in config:
     configfile: "configs/smoke.yaml"
 
 
+# a short message naming each offending key (and the closest valid one) instead of jsonschema's whole-schema report
+from roundalign.sweep import explain_schema_errors
+
+_problems = explain_schema_errors(config, "workflow/schemas/sweep.schema.yaml")
+if _problems:
+    raise WorkflowError(_problems)
 validate(config, "workflow/schemas/sweep.schema.yaml", set_default=True)
 
 
@@ -34,3 +41,12 @@ rule all:
         figure_targets(SWEEP.name),
         aggregate_targets(SWEEP.name),
         stress_figure_targets(SWEEP.name) if SWEEP.stress else [],
+
+
+onsuccess:
+    # where a finished sweep put what a reader looks at first (make demo ends here too)
+    print(
+        f"roundalign sweep {SWEEP.name!r} finished: summary table figures/{SWEEP.name}/summary.md, figures "
+        f"figures/{SWEEP.name}/fig_*.png, tables results/{SWEEP.name}/aggregate/, run directories "
+        f"{SWEEP.workdir}/runs/{SWEEP.name}/"
+    )

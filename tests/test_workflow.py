@@ -140,6 +140,8 @@ def test_smoke_sweep_for_one_tiny_model_end_to_end_with_a_preempted_job(wf):
         time.sleep(0.02)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
+    # a finished sweep names where its outputs are (Snakefile onsuccess)
+    assert "roundalign sweep 'smoke' finished: summary table figures/smoke/summary.md" in out, out[-2000:]
     for path in ("results/smoke/aggregate/runs.csv", "results/smoke/aggregate/probe.csv",
                  "figures/smoke/fig_reward.png", "figures/smoke/fig_probe.pdf", "figures/smoke/summary.md",
                  "results/smoke/runs/tiny-qwen3-tied/full/seed0/metrics.jsonl"):

@@ -67,7 +67,7 @@ FIGURE_VERBS = ("plot", "plot-stress")
 
 
 def make_figure_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0].replace("``", ""))
     _add_figure_verbs(p.add_subparsers(dest="verb", required=True, metavar="VERB"))
     return p
 
@@ -78,7 +78,7 @@ def make_parser() -> argparse.ArgumentParser:
     from .numerics import ENGINES, VARIANTS
     from .tiny import ARCHS
 
-    p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
@@ -136,7 +136,7 @@ def make_parser() -> argparse.ArgumentParser:
     from .config import BACKENDS, TASKS, TRAIN_VARIANTS
 
     tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)")
-    tr.add_argument("--model", help="model directory or hub id")
+    tr.add_argument("--model", help="model directory or hub id (required: here or as `model:` in --config)")
     tr.add_argument("--variant", help=f"one of {', '.join(TRAIN_VARIANTS)} (default full)")
     tr.add_argument("--seed", type=int, help="seed (default 0)")
     tr.add_argument("--out", required=True, help="run directory: metrics.jsonl, run.json, checkpoints/")

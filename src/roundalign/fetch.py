@@ -19,7 +19,8 @@ def fetch_model(hub_id: str, out_dir: str | Path, revision: str = "main", log=pr
         try:
             snapshot_download(repo_id=hub_id, revision=revision, local_dir=tmp)
         except Exception as exc:  # network, auth, unknown id: one clear message
-            raise RuntimeError(f"could not download {hub_id}@{revision} from the Hugging Face hub: {exc}. "
+            why = " ".join(str(exc).split()).rstrip(".")  # huggingface_hub's message ends in a full stop of its own
+            raise RuntimeError(f"could not download {hub_id}@{revision} from the Hugging Face hub: {why}. "
                                "Run this rule on a host with network access (it is a localrule).") from None
         if not (tmp / "config.json").is_file():
             raise RuntimeError(f"{hub_id}@{revision} has no config.json: not a transformers model")

@@ -50,6 +50,44 @@ def _looks_local(s: str) -> bool:
     return any(sep in s for sep in seps) and not _HUB_ID_RE.fullmatch(s)
 
 
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")  # Qwen2.5 checkpoints are model_type qwen2
+
+
+class ModelConfigError(ValueError):
+    """A model directory's config.json is unreadable, of an unsupported architecture, or inconsistent."""
+
+
+def check_model_config(config_file: str | os.PathLike) -> dict:
+    """Read a model's ``config.json`` and check what roundalign needs of it, before any weight is loaded: valid
+    JSON, a Qwen2/Qwen3 ``model_type`` (the alignment is written for their modules), and attention dimensions that
+    fit together. Raises :class:`ModelConfigError` with one line naming the file and the problem."""
+    import json
+
+    f = Path(config_file)
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"{f} is not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{f} holds a JSON {type(cfg).__name__}, not a model config object")
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(f"{f}: model_type {mt!r} is not supported; roundalign aligns "
+                               f"{'/'.join(SUPPORTED_MODEL_TYPES)} models (Qwen2, Qwen2.5, Qwen3) only")
+    dims = {k: cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                    "intermediate_size", "num_hidden_layers", "vocab_size")}
+    bad = [k for k, v in dims.items() if v is not None and (not isinstance(v, int) or v <= 0)]
+    if bad:
+        raise ModelConfigError(f"{f}: {', '.join(f'{k}={dims[k]!r}' for k in bad)} must be positive integers")
+    h, nh, kv = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"] or nh
+    if h and nh and cfg.get("head_dim") is None and h % nh:
+        raise ModelConfigError(f"{f}: hidden_size={h} is not divisible by num_attention_heads={nh} "
+                               "(and no head_dim is given)")
+    if nh and kv and nh % kv:
+        raise ModelConfigError(f"{f}: num_attention_heads={nh} is not a multiple of num_key_value_heads={kv}")
+    return cfg
+
+
 def _check_model_dir(d: Path, shown: str) -> str:
     if not d.is_dir():
         raise FileNotFoundError(f"model path {shown!r} exists but is not a directory")
@@ -58,6 +96,7 @@ def _check_model_dir(d: Path, shown: str) -> str:
             f"model directory {str(d)!r} has no config.json; it is not a saved model "
             "(build one with roundalign.tiny.make_tiny or point at a downloaded snapshot)"
         )
+    check_model_config(d / "config.json")
     return str(d)
 
 
@@ -106,6 +145,7 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
 
     from transformers import AutoModelForCausalLM
 
+    _check_weight_shapes(Path(path))
     bridged = attn in ("vllm_cpu", "vllm_flash")  # vLLM's own kernels: loaded eager, then switched to them
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[dtype], attn_implementation="eager" if bridged else attn, local_files_only=True
@@ -130,6 +170,28 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
         orders = getattr(model.config, "roundalign", {}).get("norm_sum_orders")
         apply_alignment(model, *rec, norm_sum_orders=orders)
     return model
+
+
+def _check_weight_shapes(d: Path) -> None:
+    """Compare the tensor shapes in the directory's safetensors headers (no tensor is read) with the shapes its
+    config.json implies (the model built on the meta device); one line naming the first tensor that disagrees,
+    where transformers would print its whole load report and an error about ``ignore_mismatched_sizes``."""
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        return
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(d, local_files_only=True)).state_dict().items()}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                shape = tuple(st.get_slice(key).get_shape())
+                if key in expected and expected[key] != shape:
+                    raise ModelConfigError(f"{f}: tensor {key} has shape {list(shape)}, but {d / 'config.json'} "
+                                           f"implies {list(expected[key])}: the weights and the config disagree")
 
 
 def load_tokenizer(path_or_id: str):

@@ -38,8 +38,11 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
     if not (model_dir / META_FILE).is_file():
         raise FileNotFoundError(f"{model_dir} is not a tiny model directory (no {META_FILE}); build one with "
                                 "roundalign make-tiny")
-    if steps < 1 or batch_size < 1 or not learning_rate > 0:
-        raise ValueError(f"steps ({steps}) and batch size ({batch_size}) must be >= 1, learning rate > 0")
+    bad = [f"{name}={value!r} (must be {rule})" for name, value, ok, rule in (
+        ("steps", steps, steps >= 1, "an integer >= 1"), ("batch_size", batch_size, batch_size >= 1, "an integer >= 1"),
+        ("learning_rate", learning_rate, learning_rate > 0, "> 0")) if not ok]
+    if bad:
+        raise ValueError("invalid pretrain-tiny setting: " + "; ".join(bad))
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir), dtype="fp32", attn="eager")
     eos = tokenizer.eos_token

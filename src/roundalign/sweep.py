@@ -258,3 +258,49 @@ class Sweep:
                 "cpus_per_gpu": spec["cpus_per_gpu"] if spec["gpus"] else 0,
                 "threads": 1 if spec["gpus"] else spec.get("processes", 1),  # a CPU job's cores: one per rank
                 "mem_mb": spec["mem_mb"], "runtime": spec["runtime_min"] * attempt}
+
+
+def _schema_at(schema: dict, path) -> dict:
+    """The sub-schema that describes the value at ``path`` (keys and list indices) of a config."""
+    node = schema
+    for part in path:
+        if isinstance(part, int):
+            node = node.get("items", {})
+        else:
+            props = node.get("properties", {})
+            node = props.get(part) or (node.get("additionalProperties") if isinstance(
+                node.get("additionalProperties"), dict) else {})
+    return node
+
+
+def explain_schema_errors(config: dict, schema_file: str | os.PathLike, limit: int = 5) -> str | None:
+    """None if ``config`` is valid against the sweep schema, else a few lines naming each offending key, where it
+    is, what it should be (the schema's own description) and, for a misspelled key, the closest valid keys;
+    instead of jsonschema's report, which prints the whole (2,000-line) schema. Used by the Snakefile."""
+    import difflib
+
+    import jsonschema
+    import yaml
+
+    schema = yaml.safe_load(Path(schema_file).read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(config), key=lambda e: list(e.path))
+    if not errors:
+        return None
+    lines = [f"{schema_file}: {len(errors)} problem{'s' * (len(errors) > 1)} in the sweep config:"]
+    for err in errors[:limit]:
+        where = ".".join(map(str, err.path)) or "(top level)"
+        if err.validator == "additionalProperties":
+            valid = sorted(err.schema.get("properties", {}))
+            for key in sorted(set(err.instance) - set(valid)):
+                close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+                hint = f"did you mean {' or '.join(map(repr, close))}?" if close else \
+                    f"valid keys: {', '.join(valid)}"
+                lines.append(f"- unknown key {key!r} in {where}; {hint}")
+            continue
+        node = _schema_at(schema, err.path)
+        desc = " ".join(str(node.get("description", "")).split())
+        msg = err.message if len(err.message) < 200 else err.message[:200] + "..."
+        lines.append(f"- {where}: {msg}" + (f" ({desc})" if desc else ""))
+    if len(errors) > limit:
+        lines.append(f"- ... and {len(errors) - limit} more")
+    return "\n".join(lines)

@@ -289,6 +289,7 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
             self.rewards: list[float] = []
             self.below_steps = 0  # consecutive steps with the rolling reward mean below the collapse line
             self.grad_norms: list[float] = []
+            self.explained_exact = False  # the k3/exact legend is printed once, before the first progress line
 
         def on_step_begin(self, args, st, control, **kw):
             self.t_step = time.perf_counter()
@@ -331,6 +332,13 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
             self._reward_collapse(st.global_step, rec.get("reward/mean"))
             self._grad_norm_collapse(st.global_step, rec.get("optim/grad_norm"))
             k3 = rec.get("mismatch/token/k3")
+            if k3 is not None and not self.explained_exact:
+                self.explained_exact = True
+                log("[train] k3: per-token mismatch KL between the engine's sampling logprobs and the trainer's "
+                    "(nats); exact: fraction of tokens whose two logprobs are equal bit for bit. The engine's "
+                    "sampler and TRL compute log-softmax in different fp32 orders (~1e-7 nats apart), so exact "
+                    "stays near 0 against real vLLM even where k3 sits at that floor (~1e-13) and the logits "
+                    "are bitwise equal")
             log(f"[train] step {st.global_step}/{cfg.steps} reward={rec.get('reward/mean', float('nan')):.3f} "
                 + (f"k3={k3:.2e} exact={rec.get('mismatch/token/tokens_exact_frac', float('nan')):.3f} "
                    if k3 is not None else "")
