@@ -298,13 +298,61 @@ def _spans(attention_mask, bsz: int, tq: int, tk: int) -> list[tuple[int, int, i
     return spans
 
 
-def _forward(query, key, value, spans, scale: float, window: int, softcap: float) -> torch.Tensor:
+def attend_requests(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans, scale: float, *,
+                    block_size: int = DEFAULT_BLOCK_SIZE, sliding_window: int = -1, softcap: float = 0.0
+                    ) -> torch.Tensor:
+    """Every request of a padded batch in ONE call of vLLM's CPU ops, as the engine runs a batch of prefills: one
+    paged KV cache with each request's own blocks, ``query_start_loc``/``seq_lens``/``block_table`` per request.
+    ``query`` (B, H, Tq, D), ``key``/``value`` (B, H_kv, Tk, D), ``spans`` as :func:`_spans`. Returns
+    (B, Tq, H, D), zeros on padded query rows. Each request's output is ``attend_one``'s bit for bit (the kernel
+    computes requests independently; ``tests/vllm_cpu/test_attention_grad.py`` checks it), without a Python loop
+    of op calls per sequence."""
+    ops, envs, _ = _vllm()
     bsz, nh, tq, d = query.shape
+    nkv = key.shape[1]
     out = query.new_zeros((bsz, tq, nh, d))
-    for b, q0, q1, lo, hi in spans:
-        out[b, q0:q1] = attend_one(query[b, :, q0:q1].transpose(0, 1), key[b, :, lo:hi].transpose(0, 1),
-                                   value[b, :, lo:hi].transpose(0, 1), scale, sliding_window=window, softcap=softcap)
+    if not spans:
+        return out
+    if d not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention does not support head_dim={d}; supported: "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
+    isa = attn_isa(query.dtype, block_size, d)
+    n_q = [q1 - q0 for _, q0, q1, _, _ in spans]
+    n_k = [hi - lo for _, _, _, lo, hi in spans]
+    n_blocks = [max(1, math.ceil(n / block_size)) for n in n_k]
+    first = [0]
+    for nb in n_blocks[:-1]:
+        first.append(first[-1] + nb)
+    kv_cache = torch.zeros((sum(n_blocks), nkv, block_size, 2 * d), dtype=key.dtype)
+    key_cache, value_cache = kv_cache.view((sum(n_blocks), nkv, block_size * 2, d)).chunk(2, dim=2)
+    keys = torch.cat([key[b, :, lo:hi].transpose(0, 1) for b, _, _, lo, hi in spans])  # (sum Tk, H_kv, D)
+    values = torch.cat([value[b, :, lo:hi].transpose(0, 1) for b, _, _, lo, hi in spans])
+    slot_mapping = torch.cat([torch.arange(n, dtype=torch.int64) + f * block_size for n, f in zip(n_k, first)])
+    ops.cpu_attn_reshape_and_cache(keys.contiguous(), values.contiguous(), key_cache, value_cache, slot_mapping, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    seq_lens = torch.tensor(n_k, dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    block_table = torch.zeros((len(spans), max(n_blocks)), dtype=torch.int32)
+    for i, (nb, f) in enumerate(zip(n_blocks, first)):
+        block_table[i, :nb] = torch.arange(f, f + nb, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(spans), num_heads=nh, num_kv_heads=nkv, head_dim=d, seq_lens=seq_lens, dtype=query.dtype,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=sliding_window, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto")
+    queries = torch.cat([query[b, :, q0:q1].transpose(0, 1) for b, q0, q1, _, _ in spans])  # (sum Tq, H, D)
+    res = torch.empty_like(queries)
+    ops.cpu_attention_with_kv_cache(
+        query=queries.contiguous(), key_cache=key_cache, value_cache=value_cache, output=res,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None,
+        sliding_window=sliding_window, block_table=block_table, softcap=softcap, scheduler_metadata=meta,
+        s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    for (b, q0, q1, _, _), r in zip(spans, res.split(n_q)):
+        out[b, q0:q1] = r
     return out
+
+
+def _forward(query, key, value, spans, scale: float, window: int, softcap: float) -> torch.Tensor:
+    return attend_requests(query, key, value, spans, scale, sliding_window=window, softcap=softcap)
 
 
 class VllmCpuAttentionFunction(torch.autograd.Function):

@@ -78,6 +78,26 @@ def test_forward_is_the_engines_ops_and_backward_is_sdpas_gradient_per_request()
         assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("shape", [(32, 4, 2, 40, 32), (5, 8, 2, 300, 64), (3, 4, 4, 130, 128)])
+def test_one_call_for_the_whole_batch_is_each_requests_own_call(shape):
+    """The bridge runs a batch as one call of vLLM's ops with every sequence its own request (attend_requests), as
+    the engine batches prefills; each request's output equals vLLM's ops called for that request alone, with
+    left padding of varying length, requests spanning several 128-token KV blocks, and decode-shaped (tail) queries."""
+    b, h, h_kv, t, d = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    q, k, v = (torch.randn(b, n, t, d, generator=g).to(torch.bfloat16) for n in (h, h_kv, h_kv))
+    starts = torch.randint(0, t // 2, (b,), generator=g).tolist()
+    for tq in (t, t // 4):
+        qs = q[:, :, t - tq:]
+        spans = [(i, max(lo - (t - tq), 0), tq, lo, t) for i, lo in enumerate(starts)]
+        got = vllm_cpu.attend_requests(qs, k, v, spans, d ** -0.5)
+        ref = torch.zeros_like(got)
+        for i, q0, q1, lo, hi in spans:
+            ref[i, q0:q1] = vllm_cpu.attend_one(qs[i, :, q0:q1].transpose(0, 1), k[i, :, lo:hi].transpose(0, 1),
+                                                v[i, :, lo:hi].transpose(0, 1), d ** -0.5)
+        assert torch.equal(got, ref), (shape, tq)
+
+
 def test_decode_shaped_queries_take_the_bottom_right_causal_gradient():
     # 5 new queries against 12 cached positions (what a chunked prefill would train on): query i sees 0 .. 7 + i
     g = torch.Generator().manual_seed(2)
