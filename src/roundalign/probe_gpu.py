@@ -147,7 +147,9 @@ def shutdown_llm(llm) -> None:
     """Free the engine's GPU memory before the trainer loads: vLLM 0.31's V1 engine core may run in a child
     process (vllm/v1/engine/core_client.py, ``EngineCoreClient.shutdown``), reached as
     ``llm.llm_engine.engine_core`` (vllm/v1/engine/llm_engine.py:111)."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    from .vllm_internals import engine_core
+
+    core = engine_core(llm)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
 

@@ -46,10 +46,12 @@ class SyncProbe(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         from .trl_bridge import master_state_dict
 
+        from .vllm_internals import colocated_llm
+
         gen = self.trainer.vllm_generation
-        self.before.append(teacher_forced(gen.llm, self.seqs))
+        self.before.append(teacher_forced(colocated_llm(self.trainer), self.seqs))
         gen.sync_weights()  # TRL's own call (trl/generation/vllm_generation.py), as its next generation makes it
-        self.after.append(teacher_forced(gen.llm, self.seqs))
+        self.after.append(teacher_forced(colocated_llm(self.trainer), self.seqs))
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         path = self.out / f"step{state.global_step}"
         masters = master_state_dict(self.trainer)  # a collective under DeepSpeed: every rank calls it

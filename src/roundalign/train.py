@@ -643,7 +643,9 @@ def _engine_norm_sum_orders(trainer, cfg: TrainConfig, log) -> list | None:
         return None
     from .vllm_cpu import engine_norm_sum_orders
 
-    return engine_norm_sum_orders(trainer.vllm_generation.llm)
+    from .vllm_internals import colocated_llm
+
+    return engine_norm_sum_orders(colocated_llm(trainer))
 
 
 def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: dict, callbacks, log):
@@ -719,7 +721,9 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
         if cfg.engine in CPU_ENGINES:
             from .vllm_cpu import LIVE_GEMM, engine_kernels
 
-            kernels = engine_kernels(trainer.vllm_generation.llm)  # which GEMM path the engine runs, in run.json
+            from .vllm_internals import colocated_llm
+
+            kernels = engine_kernels(colocated_llm(trainer))  # which GEMM path the engine runs, in run.json
             files.record["vllm_engine"]["kernels"] = kernels
             if set(kernels.get("gemm", {})) != {LIVE_GEMM}:
                 raise RuntimeError(f"vLLM-CPU engine's GEMMs are {kernels.get('gemm')}, not {LIVE_GEMM!r} on every "

@@ -153,7 +153,9 @@ def install_live_gemm_dispatch() -> None:
     import inspect
 
     import torch.nn.functional as F
-    from vllm.model_executor.layers import utils as U
+    from .vllm_internals import cpu_gemm_utils
+
+    U = cpu_gemm_utils()
 
     request_amx()  # the engine built next may run AMX kernels (SGL's GEMM, its attention)
     orig = U.dispatch_cpu_unquantized_gemm
@@ -184,7 +186,9 @@ def install_live_gemm_dispatch() -> None:
 
 def uninstall_live_gemm_dispatch() -> None:
     """Put vLLM's own ``dispatch_cpu_unquantized_gemm`` back (engines built afterwards prepack again; tests)."""
-    from vllm.model_executor.layers import utils as U
+    from .vllm_internals import cpu_gemm_utils
+
+    U = cpu_gemm_utils()
 
     fn = U.dispatch_cpu_unquantized_gemm
     if getattr(fn, "_roundalign_live", False):
@@ -193,12 +197,10 @@ def uninstall_live_gemm_dispatch() -> None:
 
 def inprocess_model(llm):
     """The engine's model when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or TRL's colocated
-    ``external_launcher``), else None. Path of vllm 0.31.0's V1 engine (vllm/v1/engine/llm_engine.py)."""
-    llm = getattr(llm, "llm", llm)  # TRL's VLLMGeneration holds the LLM as .llm
-    try:
-        return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-    except AttributeError:
-        return None
+    ``external_launcher``), else None (``roundalign.vllm_internals``)."""
+    from .vllm_internals import inprocess_model as model_of
+
+    return model_of(llm)
 
 
 def _gemm_path(fn) -> str:
@@ -230,7 +232,9 @@ def engine_kernels(llm) -> dict:
         impl = getattr(mod, "impl", None)
         if impl is not None and hasattr(mod, "kv_cache"):
             attn.setdefault(type(impl).__name__, set()).add(getattr(mod, "isa", None))
-    cfg = getattr(getattr(llm, "llm", llm), "llm_engine").vllm_config
+    from .vllm_internals import vllm_config
+
+    cfg = vllm_config(llm)
     return {"inspected": True,
             "gemm": {k: len(v) for k, v in sorted(gemms.items())},
             "attention_backend": {k: sorted(map(str, v)) for k, v in sorted(attn.items())},
@@ -248,19 +252,17 @@ def engine_norm_sum_orders(llm) -> list[tuple[int, int]]:
     Where the code lives: vLLM 0.31.0 compiles under ``$VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/
     <hash>`` and points ``TORCHINDUCTOR_CACHE_DIR`` at its ``inductor_cache`` (vllm/compilation/decorators.py:
     ``compilation_config.local_cache_dir``); a cache hit reads the code written by the first build."""
-    from pathlib import Path
-
     from . import inductor_code
+    from .vllm_internals import compile_cache_dir, vllm_config
 
-    llm = getattr(llm, "llm", llm)  # TRL's VLLMGeneration holds the LLM as .llm
-    cc = llm.llm_engine.vllm_config.compilation_config
+    cc = vllm_config(llm).compilation_config
     if int(cc.mode) == 0:
         raise ValueError("the engine runs eagerly (enforce_eager): it has no Inductor graph to read reduction "
                          "orders from")
-    local = Path(cc.local_cache_dir or "")
-    roots = [p for p in (local, *local.parents) if (p / "inductor_cache").is_dir()] if cc.local_cache_dir else []
+    local = compile_cache_dir(llm)
+    roots = [p for p in (local, *local.parents) if (p / "inductor_cache").is_dir()] if local else []
     if not roots:
-        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {cc.local_cache_dir!r} "
+        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {str(local)!r} "
                                 "(vLLM keeps it under $VLLM_CACHE_ROOT/torch_compile_cache)")
     # vllm_only: the process's later compiles land in the same cache (a probe's emulated engine has its own graph)
     orders = inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(roots[0] / "inductor_cache",

@@ -77,9 +77,11 @@ def vllm_config_of(llm):
     """``LLM.llm_engine.vllm_config`` (vllm/entrypoints/llm.py:344 sets llm_engine; vllm/v1/engine/llm_engine.py:64
     stores vllm_config). Accepts the LLM, TRL's VLLMGeneration (``.llm``, trl/generation/vllm_generation.py:347)
     or a VllmConfig itself."""
-    obj = getattr(llm, "llm", llm)  # TRL's VLLMGeneration holds the LLM as .llm
+    from .vllm_internals import unwrap_llm, vllm_config
+
+    obj = unwrap_llm(llm)  # TRL's VLLMGeneration holds the LLM as .llm
     if hasattr(obj, "llm_engine"):
-        obj = obj.llm_engine.vllm_config
+        obj = vllm_config(obj)
     for attr in ("compilation_config", "kernel_config", "parallel_config", "model_config"):
         if not hasattr(obj, attr):
             raise TypeError(f"{type(obj).__name__} has no {attr}: pass a vllm.LLM, TRL's VLLMGeneration or a "
@@ -251,7 +253,9 @@ def guard_trainer(trainer, engine: str, vllm_mode: str, log=print) -> dict:
         log("[vllm-guard] vllm_mode=server: the server's engine is not inspected; start it with the options "
             "of the engine mode you align to")
         return {"checked": False, "reason": "vllm_mode=server: the engine runs in another process"}
-    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    from .vllm_internals import colocated_llm
+
+    llm = colocated_llm(trainer)
     if llm is None:
         raise RuntimeError("the trainer has no colocated vLLM engine (trainer.vllm_generation.llm); "
                            "roundalign.vllm_guard targets trl 1.16.0")
