@@ -58,6 +58,9 @@ def test_weights_that_do_not_fit_the_config_name_the_tensor(tiny, tmp_path):
     d2 = _copy(tiny, tmp_path / "b", num_key_value_heads=3)
     with pytest.raises(ModelConfigError, match="num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
         check_model_config(d2 / "config.json")
+    d3 = _copy(tiny, tmp_path / "c", num_key_value_heads=None, head_dim=None, hidden_size=30)  # no KV-head count
+    with pytest.raises(ModelConfigError, match="hidden_size=30 is not divisible by num_attention_heads=4"):
+        check_model_config(d3 / "config.json")
 
 
 def test_pretrain_tiny_names_the_bad_value(tiny, tmp_path):

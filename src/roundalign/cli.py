@@ -26,7 +26,9 @@ def _setup_runtime() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(int(os.environ.get("ROUNDALIGN_THREADS", "1")))
+    from .envinfo import torch_threads
+
+    torch.set_num_threads(torch_threads())
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown our own progress lines
     import datasets
 
@@ -234,7 +236,9 @@ def run_probe_cli(args) -> None:
             # vLLM's CPU build in this process: its model (hooks, GEMM dispatch) is then readable; a 1 GiB KV
             # cache is plenty for probe-sized requests and changes no numerics
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            from .vllm_cpu import small_kv_cache
+
+            small_kv_cache()
 
         run_probe_gpu(cfg, args.out, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from .engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
-from .numerics.plan import ENGINES
+from .numerics.plan import ENGINES, KERNEL_MODES, VARIANTS
 
 BACKENDS = ("emulated", "vllm")
 TASKS = ("arith", "math", "digits")
@@ -26,7 +26,6 @@ DIGITS_OPS = ("copy", "reverse", "sort")
 TRAIN_VARIANTS = ("baseline", "rope", "swiglu", "norm", "full", "tis", "mis", "fp16", "fp32-head", "full+fp32-head",
                   "fp32")
 VLLM_MODES = ("colocate", "server")
-KERNEL_MODES = ("eager", "compiled")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 PROMPT_STYLES = ("fixed", "variable")
 
@@ -228,7 +227,7 @@ class TrainConfig:
         """The numerics variant applied to the policy: the IS remedies and fp16 keep baseline numerics."""
         if self.variant == "full+fp32-head":
             return "full"
-        return self.variant if self.variant in ("baseline", "rope", "swiglu", "norm", "full") else "baseline"
+        return self.variant if self.variant in VARIANTS else "baseline"
 
     @property
     def lm_head_fp32(self) -> bool:

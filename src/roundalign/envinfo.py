@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -13,6 +14,12 @@ _PACKAGES = ("torch", "transformers", "trl", "accelerate", "vllm")
 # What the pipeline writes: committed, so a sweep re-run overwrites tracked files there, which says nothing about the
 # code that computed them (a results regeneration must not record its own outputs as "+dirty" code).
 OUTPUT_DIRS = ("results", "figures")
+
+
+def torch_threads() -> int:
+    """The torch thread count roundalign's processes run with: ``ROUNDALIGN_THREADS``, default 1 (on small CPU
+    machines more threads made step times swing by 10x)."""
+    return int(os.environ.get("ROUNDALIGN_THREADS", "1"))
 
 
 def git_sha(repo: str | Path | None = None) -> str:

@@ -37,6 +37,12 @@ import torch
 from .engine.choices import ATTN_IMPLS  # eager, sdpa, vllm_cpu, vllm_flash
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def vllm_dtype(name: str) -> str:
+    """vLLM's ``dtype=`` for one of :data:`DTYPES`' names ("bfloat16", "float16", "float32")."""
+    return str(DTYPES[name]).removeprefix("torch.")
+
 TINY_META_FILE = "roundalign_tiny.json"  # kept in sync with roundalign.tiny.META_FILE
 
 # A hub repo id: "name" or "org/name" (letters, digits, '-', '_', '.'; no leading '.' / '-').
@@ -79,7 +85,8 @@ def check_model_config(config_file: str | os.PathLike) -> dict:
     bad = [k for k, v in dims.items() if v is not None and (not isinstance(v, int) or v <= 0)]
     if bad:
         raise ModelConfigError(f"{f}: {', '.join(f'{k}={dims[k]!r}' for k in bad)} must be positive integers")
-    h, nh, kv = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"] or nh
+    h, nh = dims["hidden_size"], dims["num_attention_heads"]
+    kv = dims["num_key_value_heads"] or nh  # absent: every head its own KV head
     if h and nh and cfg.get("head_dim") is None and h % nh:
         raise ModelConfigError(f"{f}: hidden_size={h} is not divisible by num_attention_heads={nh} "
                                "(and no head_dim is given)")

@@ -31,7 +31,7 @@ from .engine.choices import ENGINE_ATTN_IMPLS, KV_CACHE_DTYPES, NORM_REDUCTIONS
 from .envinfo import environment_info
 from .io import atomic_write_csv, atomic_write_json, check_writable
 from .numerics import apply_alignment
-from .numerics.plan import check_engine, check_variant
+from .numerics.plan import VARIANTS, check_engine, check_variant
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ProbeConfig:
     engine: str = "vllm-compiled"
     attn: str = "eager"
     engine_gemm: str = "same"
-    variants: tuple[str, ...] = ("baseline", "rope", "swiglu", "norm", "full")
+    variants: tuple[str, ...] = VARIANTS
     num_prompts: int = 8
     max_new_tokens: int = 16
     seed: int = 0

@@ -44,7 +44,6 @@ from .envinfo import environment_info
 from .io import atomic_write_csv, atomic_write_json, check_writable
 from .probe import ProbeConfig, _prompts, compare_variants, model_label
 
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _is_cpu_engine(engine: str) -> bool:
@@ -63,12 +62,13 @@ def vllm_sample(cfg: ProbeConfig, prompts: list[list[int]], *, gpu_memory_utiliz
     each decoder layer (forward hooks on the in-process model; a compiled graph runs no hooks)."""
     import vllm
 
+    from .models import vllm_dtype
     from .vllm_guard import check_engine_map
 
     cpu = _is_cpu_engine(cfg.engine)
     max_len = max(map(len, prompts)) + cfg.max_new_tokens + 8
     kwargs = {} if cpu else {"tensor_parallel_size": 1, "gpu_memory_utilization": gpu_memory_utilization}
-    llm = vllm.LLM(model=cfg.model, dtype=VLLM_DTYPES[cfg.dtype], seed=cfg.seed,
+    llm = vllm.LLM(model=cfg.model, dtype=vllm_dtype(cfg.dtype), seed=cfg.seed,
                    enforce_eager=cfg.engine.endswith("-eager"), max_model_len=max_len,
                    logprobs_mode="processed_logprobs", **kwargs)
     try:

@@ -534,14 +534,14 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out_dir / "checkpoints"
     from . import distributed as D
-    from .checkpoints import latest_complete
+    from .checkpoints import latest_complete, step_of
 
     # every rank reads the same directory: rank 0 sets incomplete checkpoints aside, the others wait and then look
     resume, aside = latest_complete(ckpt_dir, log=log) if D.is_main() else (None, [])
     D.barrier()
     if not D.is_main():
         resume = latest_checkpoint(ckpt_dir)
-    resume_step = int(resume.name.split("-")[1]) if resume else 0
+    resume_step = step_of(resume) if resume else 0
     kept = truncate_metrics(files.metrics_path, resume_step)
     files.start(previous, resume_step or None)
     earlier = (previous or {}).get("incomplete_checkpoints", [])
@@ -654,7 +654,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     import torch
     from transformers import set_seed
 
-    from .models import load_model, load_tokenizer
+    from .models import load_model, load_tokenizer, vllm_dtype
     from .numerics import apply_alignment
     from .numerics.plan import CPU_ENGINES
     from .trl_bridge import RoundalignGRPOTrainer, bridge_emulated_engine, vllm_llm_overrides
@@ -683,18 +683,17 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
     llm_overrides = {}
     if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
-        from .vllm_cpu import install_live_gemm_dispatch
+        from .vllm_cpu import install_live_gemm_dispatch, small_kv_cache
 
         # vLLM-CPU prepacks its GEMM weights and drops the parameters TRL's sync writes: run F.linear on the live
         # parameters instead (installed before TRL builds the LLM; roundalign.vllm_cpu, tests/vllm_cpu)
         install_live_gemm_dispatch()
-        # the KV cache in GiB (vLLM-CPU's default is 4 per engine; each rank colocates one)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        small_kv_cache()
     if cfg.backend == "vllm":
         if cfg.engine in ("vllm-eager", "vllm-cpu-eager"):
             llm_overrides["enforce_eager"] = True
         if cfg.dtype in ("fp16", "fp32"):
-            llm_overrides["dtype"] = {"fp16": "float16", "fp32": "float32"}[cfg.dtype]
+            llm_overrides["dtype"] = vllm_dtype(cfg.dtype)
     ctx = vllm_llm_overrides(**llm_overrides) if llm_overrides and cfg.vllm_mode == "colocate" \
         else contextlib.nullcontext()
     if llm_overrides and cfg.vllm_mode == "server":
@@ -742,5 +741,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
     if engine is not None:
         state["sync"] = bridge_emulated_engine(trainer, engine, model)
-    torch.set_num_threads(int(os.environ.get("ROUNDALIGN_THREADS", "1")))
+    from .envinfo import torch_threads
+
+    torch.set_num_threads(torch_threads())
     return trainer

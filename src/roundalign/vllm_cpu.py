@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -44,6 +45,12 @@ ATTN_NAME = "vllm_cpu"
 # vLLM 0.31.0's CPU backend (CPUAttentionBackend.get_supported_head_sizes, cpu_attn.py:69-70)
 SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 DEFAULT_BLOCK_SIZE = 128  # vllm/platforms/cpu.py: cache_config.block_size when the user names none
+
+
+def small_kv_cache() -> None:
+    """A 1 GiB KV cache for engines built in this process unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise
+    (vLLM-CPU's default is 4 GiB per engine, and each training rank colocates one); the size changes no numerics."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 class VllmCpuUnavailable(ImportError):

@@ -36,6 +36,9 @@ GPU_ENGINES = ("vllm-compiled", "vllm-eager")
 CPU_ENGINES = ("vllm-cpu-compiled", "vllm-cpu-eager")
 # where each residual mode keeps the unrounded sum of the residual stream (RoundingPlan.residual)
 RESIDUALS = ("bf16", "fp32", "fp32-read", "fp32-stream")
+#: how the fp32 regions run (``apply_alignment(kernels=...)``, ``regions.region_kernels``): separate torch ops, or
+#: one Inductor kernel per region
+KERNEL_MODES = ("eager", "compiled")
 VARIANTS = ("baseline", "rope", "swiglu", "norm", "full")
 
 

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .plan import KERNEL_MODES  # "eager", "compiled": defined once, in the torch-free plan module
+
 __all__ = [
     "rope_hf",
     "rope_fused",
@@ -222,7 +224,6 @@ def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: 
 # torch 2.13 (torch/_functorch/_aot_autograd/runtime_wrappers.py, ``_backward_impl``), never come into
 # play. ``create_graph=True`` falls back to the eager formula.
 
-KERNEL_MODES = ("eager", "compiled")
 _FUSED = ("rope_fused", "rope_fused_rz", "swiglu_fused", "rmsnorm_fused", "add_rmsnorm_fp32_sum", "add_rmsnorm_bf16_sum")
 _KERNEL_CACHE: dict[str, object] = {}
 
