@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from roundalign.config import build_config
-from roundalign.deadline import job_end_time, make_deadline_callback
+from roundalign.deadline import RunState, job_end_time, make_deadline_callback
 from roundalign.tiny import make_tiny
 from roundalign.train import run_train
 
@@ -38,21 +38,22 @@ def test_end_time_sources(tmp_path, monkeypatch):
 
 def test_margin_grows_with_the_longest_step(monkeypatch):
     now = [0.0]
-    state = {}
+    state = RunState()
     cb = make_deadline_callback(state, end_time=1000.0, min_margin=100.0, clock=lambda: now[0], **QUIET)
     control = SimpleNamespace(should_save=False, should_training_stop=False)
     st = SimpleNamespace(global_step=1)
     cb.on_step_begin(None, st, control)
     now[0] = 300.0  # a 300 s step: margin becomes 2 x 300 + 60 = 660 s; 700 s are left
     cb.on_step_end(None, st, control)
-    assert not state and not control.should_training_stop
+    assert not state.stop_requested and not control.should_training_stop
     cb.on_step_begin(None, st, control)
     now[0] = 350.0  # 650 s left < 660 s
     cb.on_step_end(None, st, control)
-    assert state == {"sigterm": True, "deadline": True} and control.should_save and control.should_training_stop
+    assert (state.stop_requested, state.stopped_by) == (True, "deadline")
+    assert control.should_save and control.should_training_stop
     for key in ("ROUNDALIGN_DEADLINE", "SLURM_JOB_END_TIME", "SLURM_JOB_ID"):
         monkeypatch.delenv(key, raising=False)
-    assert make_deadline_callback({}, **QUIET) is None  # no limit known: no callback
+    assert make_deadline_callback(RunState(), **QUIET) is None  # no limit known: no callback
 
 
 class Usr1At(TrainerCallback):

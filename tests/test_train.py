@@ -95,7 +95,8 @@ def test_sigterm_checkpoints_and_rerun_resumes_to_the_uninterrupted_result(sft_m
     first = run_train(cfg(sft_model, steps=6), tmp_path / "cut", callbacks=[KillAt(3)], **QUIET)
     assert (first.status, first.last_step, first.exit_code) == ("preempted", 3, 143)
     assert (tmp_path / "cut/checkpoints/checkpoint-3").is_dir()  # saved on SIGTERM, between periodic saves
-    assert json.loads((tmp_path / "cut/run.json").read_text())["status"] == "preempted"
+    cut = json.loads((tmp_path / "cut/run.json").read_text())
+    assert (cut["status"], cut["preempted_by"]) == ("preempted", "signal")
     second = run_train(cfg(sft_model, steps=6), tmp_path / "cut", **QUIET)
     assert (second.status, second.last_step) == ("done", 6) and full.status == "done"
     assert deterministic(metrics(tmp_path / "cut")) == deterministic(metrics(tmp_path / "full"))
@@ -214,6 +215,7 @@ def test_bad_input_is_rejected_before_loading(sft_model, tmp_path, capsys):
     assert "inconsistent batch sizes" in err("--model", sft_model, "--set", "prompts_per_step=3",
                                              "--set", "per_device_batch_size=8")
     assert "unknown config key 'lr'" in err("--model", sft_model, "--set", "lr=1")
+    assert "did you mean 'learning_rate'?" in err("--model", sft_model, "--set", "learning_rat=1")
     if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0:
         assert "pip install -e '.[gpu]'" in err("--model", sft_model, "--backend", "vllm")
         # the real CPU engine lives in the second environment: the message says which and how to build it

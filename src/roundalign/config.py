@@ -332,7 +332,11 @@ def build_config(base: dict | None = None, file: str | Path | None = None, overr
     for origin, data in sources:
         for key, value in data.items():
             if key not in _FIELDS:
-                raise ConfigError(f"unknown config key {key!r} (from {origin}); valid keys: {', '.join(_FIELDS)}")
+                import difflib
+
+                close = difflib.get_close_matches(key, list(_FIELDS), n=3, cutoff=0.6)
+                hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+                raise ConfigError(f"unknown config key {key!r} (from {origin}); {hint}valid keys: {', '.join(_FIELDS)}")
             merged[key] = _coerce(key, value)
     if "model" not in merged:
         raise ConfigError("no model given (--model or model: in the config)")

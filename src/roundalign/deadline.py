@@ -22,6 +22,8 @@ under ``srun --signal=USR1@N`` themselves.
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime as _dt
 import os
 import shutil
@@ -51,10 +53,31 @@ def job_end_time(env=None) -> float | None:
         return None  # "Unknown"/"NONE" (no limit) or squeue unavailable: no deadline
 
 
-def make_deadline_callback(state: dict, log=print, end_time: float | None = None, min_margin: float | None = None,
-                           clock=time.time):
-    """A TrainerCallback that sets ``state["sigterm"]`` (the run's stop-and-checkpoint flag) and asks the
-    trainer to save and stop when the job's time is nearly up. Returns None when there is no deadline."""
+@dataclasses.dataclass
+class RunState:
+    """What the parts of one training run tell each other while it runs (``roundalign.train``).
+
+    ``stop_requested``: checkpoint at the end of this step and stop (SIGTERM, SIGUSR1 or the job's deadline);
+    ``stopped_by``: which of them asked first ("signal" or "deadline", recorded in run.json as ``preempted_by``);
+    ``collapse``: the non-finite collapse that stopped the run, ``{"step", "reason"}``; ``sync``: the emulated
+    engine's weight sync (``trl_bridge.bridge_emulated_engine``), whose count a checkpoint records;
+    ``resume_state``: the ``roundalign_state.json`` of the checkpoint the run resumes from."""
+
+    stop_requested: bool = False
+    stopped_by: str | None = None
+    collapse: dict | None = None
+    sync: object | None = None
+    resume_state: dict | None = None
+
+    def request_stop(self, by: str) -> None:
+        if not self.stop_requested:
+            self.stop_requested, self.stopped_by = True, by
+
+
+def make_deadline_callback(state: RunState, log=print, end_time: float | None = None,
+                           min_margin: float | None = None, clock=time.time):
+    """A TrainerCallback that requests the run's stop (``state.request_stop("deadline")``) and asks the trainer to
+    save and stop when the job's time is nearly up. Returns None when there is no deadline."""
     from transformers import TrainerCallback
 
     end = job_end_time() if end_time is None else end_time
@@ -75,12 +98,11 @@ def make_deadline_callback(state: dict, log=print, end_time: float | None = None
             if self.t0 is not None:
                 self.longest = max(self.longest, now - self.t0)
             margin = max(floor, 2 * self.longest + 60)
-            if end - now < margin and not state.get("sigterm"):
+            if end - now < margin and not state.stop_requested:
                 log(f"[train] {end - now:.0f}s left before the job's time limit (< {margin:.0f}s margin): "
                     f"checkpointing at step {st.global_step} and stopping; a rerun resumes")
-                state["sigterm"] = True
-                state["deadline"] = True
-            if state.get("sigterm"):
+                state.request_stop("deadline")
+            if state.stop_requested:
                 control.should_save = True
                 control.should_training_stop = True
 

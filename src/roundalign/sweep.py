@@ -293,8 +293,12 @@ def explain_schema_errors(config: dict, schema_file: str | os.PathLike, limit: i
             valid = sorted(err.schema.get("properties", {}))
             for key in sorted(set(err.instance) - set(valid)):
                 close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
-                hint = f"did you mean {' or '.join(map(repr, close))}?" if close else \
-                    f"valid keys: {', '.join(valid)}"
+                if key in _PER_RUN_KEYS and err.path and err.path[-1] == "train":
+                    hint = "the sweep sets it per run (models:, variants:, seeds:)"
+                elif close:
+                    hint = f"did you mean {' or '.join(map(repr, close))}?"
+                else:
+                    hint = f"valid keys: {', '.join(valid)}"
                 lines.append(f"- unknown key {key!r} in {where}; {hint}")
             continue
         node = _schema_at(schema, err.path)

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,7 +273,7 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
+def _make_callback(files: _RunFiles, cfg: TrainConfig, state, log):
     from transformers import TrainerCallback
 
     from .trl_bridge import TRL_RENAMES
@@ -283,19 +282,20 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
         """Writes metrics.jsonl, detects collapse, honours SIGTERM, prints one progress line per step."""
 
         def __init__(self):
+            from .collapse import GradNormCollapse, RewardCollapse
+
             self.t_step = None
             self.last_tokens = None
-            self.best_reward_mean = -math.inf
-            self.rewards: list[float] = []
-            self.below_steps = 0  # consecutive steps with the rolling reward mean below the collapse line
-            self.grad_norms: list[float] = []
+            self.reward_collapse = RewardCollapse(cfg.reward_collapse_window, cfg.reward_collapse_drop,
+                                                  cfg.reward_collapse_patience)
+            self.grad_norm_collapse = GradNormCollapse(cfg.grad_norm_collapse_factor, cfg.grad_norm_collapse_min_steps)
             self.explained_exact = False  # the k3/exact legend is printed once, before the first progress line
 
         def on_step_begin(self, args, st, control, **kw):
             self.t_step = time.perf_counter()
 
         def on_step_end(self, args, st, control, **kw):
-            if state["sigterm"]:
+            if state.stop_requested:
                 control.should_save = True
                 control.should_training_stop = True
 
@@ -326,7 +326,7 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
 
             if D.any_rank(bool(bad)):  # decided on a global flag, so every rank stops at the same step
                 bad = bad or ["on another rank"]
-                state["collapse"] = {"step": st.global_step, "reason": "non-finite " + ", ".join(
+                state.collapse = {"step": st.global_step, "reason": "non-finite " + ", ".join(
                     f"{k}={rec[k]}" if k in rec else k for k in bad)}
                 control.should_training_stop = True
             self._reward_collapse(st.global_step, rec.get("reward/mean"))
@@ -345,56 +345,24 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
                 + f"loss={rec.get('optim/loss', float('nan')):.4g} ({step_time:.2f}s)")
 
         def _reward_collapse(self, step, reward):
-            """Reward collapse: the rolling ``reward_collapse_window``-step mean stays below
-            ``reward_collapse_drop`` x its best so far for ``reward_collapse_patience`` consecutive steps. The
-            recorded step is the first step of that streak (``detected_step`` the step it was confirmed)."""
-            if reward is None or files.record.get("reward_collapse"):
-                return
-            self.rewards.append(reward)
-            w = cfg.reward_collapse_window
-            if len(self.rewards) < w:
-                return
-            mean = sum(self.rewards[-w:]) / w
-            if self.best_reward_mean > 0 and mean < cfg.reward_collapse_drop * self.best_reward_mean:
-                self.below_steps += 1
-                if self.below_steps >= cfg.reward_collapse_patience:
-                    onset = step - self.below_steps + 1
-                    files.record["reward_collapse"] = {
-                        "step": onset, "detected_step": step,
-                        "reason": f"rolling {w}-step reward mean below {cfg.reward_collapse_drop} x its best "
-                                  f"({self.best_reward_mean:.4g}) for {self.below_steps} consecutive steps "
-                                  f"(now {mean:.4g})"}
-                    log(f"[train] reward collapse flagged at step {step} (onset {onset})")
-            else:
-                self.below_steps = 0
-            self.best_reward_mean = max(self.best_reward_mean, mean)
+            event = self.reward_collapse.update(step, reward)
+            if event:
+                files.record["reward_collapse"] = event
+                log(f"[train] reward collapse flagged at step {step} (onset {event['step']})")
 
         def _grad_norm_collapse(self, step, grad_norm):
-            """Gradient-norm collapse: the norm exceeds ``grad_norm_collapse_factor`` x the median of every earlier
-            step's norm (after ``grad_norm_collapse_min_steps`` steps). Off when the factor is 0."""
-            if not _finite(grad_norm):
-                return  # a non-finite norm is a non-finite collapse, decided above
-            k = cfg.grad_norm_collapse_factor
-            if k and not files.record.get("grad_norm_collapse") \
-                    and len(self.grad_norms) >= cfg.grad_norm_collapse_min_steps:
-                median = statistics.median(self.grad_norms)
-                if median > 0 and grad_norm > k * median:
-                    files.record["grad_norm_collapse"] = {
-                        "step": step, "reason": f"grad norm {grad_norm:.4g} > {k} x the median {median:.4g} of "
-                                                f"{len(self.grad_norms)} earlier steps"}
-                    log(f"[train] grad-norm collapse flagged at step {step}")
-            self.grad_norms.append(grad_norm)
+            event = self.grad_norm_collapse.update(step, grad_norm)
+            if event:
+                files.record["grad_norm_collapse"] = event
+                log(f"[train] grad-norm collapse flagged at step {step}")
 
         def on_save(self, args, st, control, **kw):
             ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
             if ckpt.is_dir() and files.is_main:
                 atomic_write_json(ckpt / "roundalign_state.json", {
                     "step": st.global_step, "engine": cfg.engine, "backend": cfg.backend,
-                    "engine_syncs": state["sync"].num_syncs if state.get("sync") else None,
-                    "best_reward_mean": self.best_reward_mean, "rewards": self.rewards,
-                    "below_steps": self.below_steps, "grad_norms": self.grad_norms,
-                    "reward_collapse": files.record.get("reward_collapse"),
-                    "grad_norm_collapse": files.record.get("grad_norm_collapse")})
+                    "engine_syncs": state.sync.num_syncs if state.sync else None,
+                    **self.reward_collapse.state_dict(), **self.grad_norm_collapse.state_dict()})
             from . import distributed as D
             from .checkpoints import fault_point, mark_complete, rotate
 
@@ -408,13 +376,11 @@ def _make_callback(files: _RunFiles, cfg: TrainConfig, state: dict, log):
             files.write()
 
         def on_train_begin(self, args, st, control, **kw):
-            if state.get("resume_state"):
-                self.best_reward_mean = state["resume_state"].get("best_reward_mean", -math.inf)
-                self.rewards = list(state["resume_state"].get("rewards", []))
-                self.below_steps = state["resume_state"].get("below_steps", 0)
-                self.grad_norms = list(state["resume_state"].get("grad_norms", []))
-                for key in ("reward_collapse", "grad_norm_collapse"):
-                    files.record[key] = state["resume_state"].get(key)
+            if state.resume_state:
+                self.reward_collapse.load_state_dict(state.resume_state)
+                self.grad_norm_collapse.load_state_dict(state.resume_state)
+                files.record["reward_collapse"] = self.reward_collapse.event
+                files.record["grad_norm_collapse"] = self.grad_norm_collapse.event
 
     return RunCallback()
 
@@ -553,11 +519,12 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     log(f"[train] {out_dir}: " + (f"resuming from {resume.name} ({kept} metric lines kept)" if resume
                                    else f"starting {cfg.variant} seed {cfg.seed} on {cfg.backend}/{cfg.engine}"))
     t0 = time.perf_counter()
-    state = {"sigterm": False, "collapse": None, "sync": None,
-             "resume_state": _read_json(resume / "roundalign_state.json") if resume else None}
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: state.__setitem__("sigterm", True))
+    from .deadline import RunState
+
+    state = RunState(resume_state=_read_json(resume / "roundalign_state.json") if resume else None)
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: state.request_stop("signal"))
     # SIGUSR1 = an early warning from `srun --signal=USR1@N` in hand-written batch scripts (deadline.py)
-    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: state.__setitem__("sigterm", True))
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: state.request_stop("signal"))
     try:
         trainer = _build_trainer(cfg, ckpt_dir, files, state, callbacks, log)
         from .engine import NonFiniteLogitsError
@@ -565,12 +532,14 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
         try:
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         except NonFiniteLogitsError as exc:
-            state["collapse"] = {"step": trainer.state.global_step + 1, "reason": str(exc)}
-        status = "collapsed" if state["collapse"] else "preempted" if state["sigterm"] else "done"
+            state.collapse = {"step": trainer.state.global_step + 1, "reason": str(exc)}
+        status = "collapsed" if state.collapse else "preempted" if state.stop_requested else "done"
         if status == "done":
             save_final_policy(trainer, out_dir / "final")
         files.record["last_step"] = trainer.state.global_step
-        files.record["collapse"] = state["collapse"]
+        files.record["collapse"] = state.collapse
+        if status == "preempted":
+            files.record["preempted_by"] = state.stopped_by
         files.record["collapse_event"] = collapse_event(files.record)
         code = cfg.collapse_exit_code if status == "collapsed" else EXIT_PREEMPTED if status == "preempted" else 0
     except BaseException as exc:
@@ -586,7 +555,7 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
                         wall_time_s=round(files.record["wall_time_s"] + time.perf_counter() - t0, 3))
     files.write()
     log(f"[train] {out_dir}: {status} at step {files.record['last_step']}"
-        + (f" ({state['collapse']['reason']})" if state["collapse"] else ""))
+        + (f" ({state.collapse['reason']})" if state.collapse else ""))
     return TrainResult(status, files.record["last_step"], code, out_dir)
 
 
@@ -648,7 +617,7 @@ def _engine_norm_sum_orders(trainer, cfg: TrainConfig, log) -> list | None:
     return engine_norm_sum_orders(colocated_llm(trainer))
 
 
-def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: dict, callbacks, log):
+def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state, callbacks, log):
     import contextlib
 
     import torch
@@ -740,7 +709,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state: di
     if cfg.use_is_correction:
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
     if engine is not None:
-        state["sync"] = bridge_emulated_engine(trainer, engine, model)
+        state.sync = bridge_emulated_engine(trainer, engine, model)
     from .envinfo import torch_threads
 
     torch.set_num_threads(torch_threads())
