@@ -444,3 +444,24 @@ def test_attention_figure_pairs_the_arms_of_one_policy():
     # an aggregate from before the columns existed: one attention, "(not recorded)", the model as policy
     old = arm_table(runs, pd.DataFrame(status).drop(columns=["attn", "policy"]))
     assert set(old["attn"]) == {"(not recorded)"} and set(old["policy"]) == {"p", "p.vllm_cpu"}
+
+
+def test_fig_probe_with_many_model_engine_groups_names_each_model_once_and_engines_short():
+    # the committed vllm-cpu sweep: 4 models x 6 engine comparisons = 24 groups; upright "model\nengine" labels
+    # were too small to read
+    engines = ["vllm-cpu-compiled", "vllm-cpu-compiled_emulated", "vllm-cpu-compiled_teacher_forced",
+               "vllm-cpu-eager", "vllm-cpu-eager_emulated", "vllm-cpu-eager_teacher_forced"]
+    models = ["cpu-a", "cpu-b", "cpu-c", "cpu-d"]
+    rows = [("s", m, e, v, "token", metric, value) for m in models for e in engines for v in ("baseline", "full")
+            for metric, value in (("mismatch_k3", 1e-4), ("tokens_exact_frac", 0.5), ("num_tokens", 100))]
+    probe = pd.DataFrame(rows, columns=["sweep", "model", "engine", "variant", "level", "metric", "value"])
+    fig, axes = plot_probe(probe, _layers_frame([]))
+    for ax in (axes["k3"], axes["tokens_exact_frac"]):
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert labels[:3] == ["compiled", "compiled (vs emulated)", "compiled (prefill)"] and len(labels) == 24
+        assert all(t.get_rotation() == 30 for t in ax.get_xticklabels())
+        assert ax.get_title().endswith("(engines vllm-cpu-*)")
+        (models_axis,) = [c for c in ax.child_axes if c.get_gid() == "model_axis"]
+        assert [t.get_text() for t in models_axis.get_xticklabels()] == models
+        assert list(models_axis.get_xticks()) == [2.5, 8.5, 14.5, 20.5]
+        assert len([line for line in ax.get_lines() if line.get_gid() == "model_sep"]) == 3

@@ -3,6 +3,7 @@ bitwise mechanism through training, IS remedies, and bad input."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,6 +231,23 @@ def test_rerun_with_another_config_refuses_to_mix(sft_model, tmp_path):
     run_train(cfg(sft_model, steps=1), tmp_path / "r", **QUIET)
     with pytest.raises(ConfigError, match=r"another config.*learning_rate"):
         run_train(cfg(sft_model, steps=1, learning_rate=1e-2), tmp_path / "r", **QUIET)
+
+
+def test_a_finished_run_is_not_taken_as_done_for_a_rebuilt_model_at_the_same_path(sft_model, tmp_path):
+    # a sweep that re-warm-starts a policy at the same path used to re-export the old finished run silently
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "policy"
+    shutil.copytree(sft_model, model)
+    done = run_train(cfg(str(model), steps=1), tmp_path / "r", **QUIET)
+    assert done.status == "done" and json.loads((tmp_path / "r/run.json").read_text())["model_fingerprint"]
+    assert run_train(cfg(str(model), steps=1), tmp_path / "r", **QUIET).status == "done"  # unchanged: nothing to do
+    weights = load_file(model / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] * 1.01
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"the model at .* changed since this run started"):
+        run_train(cfg(str(model), steps=1), tmp_path / "r", **QUIET)
 
 
 def test_grpo_config_carries_our_settings(tmp_path):

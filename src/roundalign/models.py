@@ -179,6 +179,27 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
     return model
 
 
+def weights_fingerprint(path_or_id: str) -> str:
+    """A short content fingerprint of a model directory, cheap at any size: sha256 over config.json and, per
+    safetensors file, its name, size, header and the first and last 64 KiB of its data. A run records it
+    (run.json ``model_fingerprint``) so that rerunning into the same --out after the model at that path was
+    rebuilt (a new warm start, say) is refused instead of silently taking the old run as done."""
+    import hashlib
+
+    d = Path(resolve_model_path(path_or_id))
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(f"{f.name}:{size}".encode())
+            h.update(head + fh.read(min(n, size) + 65536))
+            fh.seek(max(0, size - 65536))
+            h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
 def _check_weight_shapes(d: Path) -> None:
     """Compare the tensor shapes in the directory's safetensors headers (no tensor is read) with the shapes its
     config.json implies (the model built on the meta device); one line naming the first tensor that disagrees,

@@ -489,8 +489,14 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     preflight(cfg, out_dir)
     files = _RunFiles(out_dir, cfg)
     previous = _read_json(files.run_path)
+    from .models import weights_fingerprint
+
+    fingerprint = weights_fingerprint(cfg.model)
     if previous is not None:
         diff = _config_diff(previous.get("config", {}), cfg.to_dict())
+        if previous.get("model_fingerprint") not in (None, fingerprint):
+            diff.append(f"the model at {cfg.model} changed since this run started (weights fingerprint "
+                        f"{previous['model_fingerprint']} vs {fingerprint})")
         if diff:
             raise ConfigError(f"{out_dir} holds a run with another config ({'; '.join(diff)}); "
                               "use another --out or remove that directory")
@@ -510,6 +516,8 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     resume_step = step_of(resume) if resume else 0
     kept = truncate_metrics(files.metrics_path, resume_step)
     files.start(previous, resume_step or None)
+    files.record["model_fingerprint"] = fingerprint
+    files.write()
     earlier = (previous or {}).get("incomplete_checkpoints", [])
     if earlier or aside:  # what was set aside, and why, stays on record across resumes
         files.record["incomplete_checkpoints"] = [*earlier, *aside]

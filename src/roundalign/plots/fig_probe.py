@@ -83,8 +83,10 @@ def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: 
                             capsize=1.5, gid="wilson")
     labels = [_group_label(g, multi_engine) for g in groups]
     longest = max((len(line) for label in labels for line in label.split("\n")), default=0)
-    if len(groups) > MANY_GROUPS:  # upright: a full-width row still leaves too little room for slanted labels
-        ax.set_xticks(range(len(groups)), labels, rotation=90, fontsize=6.5)
+    if len(groups) > MANY_GROUPS and multi_engine:
+        _two_level_axis(ax, groups)
+    elif len(groups) > MANY_GROUPS:
+        ax.set_xticks(range(len(groups)), labels, rotation=30, ha="right", rotation_mode="anchor", fontsize=7)
     elif multi_engine or len(groups) > 3 or longest * len(groups) > 50:  # slanted, so neighbours cannot collide
         ax.set_xticks(range(len(groups)), labels, rotation=30, ha="right", rotation_mode="anchor", fontsize=7)
     else:
@@ -95,6 +97,39 @@ def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: 
         C.set_log_y(ax)
         if floor is not None:
             ax.set_ylim(floor / 3, ax.get_ylim()[1] * (30 if (rows["value"] > 0).sum() == 0 else 3))
+
+
+def _two_level_axis(ax, groups) -> None:
+    """Many (model, engine) groups: the engine (its name without the prefix all engines share) under each group,
+    slanted, and each model's name once, centred under its groups, with a thin line between models (gid
+    "model_label" / "model_sep"). Upright "model\nengine" labels for 24 groups were too small to read."""
+    engines = [_engine_label(e) for _, e in groups]
+    prefix = engines[0]
+    for e in engines[1:]:
+        while not e.startswith(prefix):
+            prefix = prefix[:-1]
+    prefix = prefix[:prefix.rfind("-") + 1] if "-" in prefix else ""
+    ax.set_xticks(range(len(groups)), [e[len(prefix):] for e in engines], rotation=30, ha="right",
+                  rotation_mode="anchor", fontsize=7)
+    blocks: list[list[int]] = []
+    for i, (model, _) in enumerate(groups):
+        if blocks and groups[blocks[-1][0]][0] == model:
+            blocks[-1].append(i)
+        else:
+            blocks.append([i])
+    # the models on a second x axis below the engines' (a real axis: the layout makes room for it)
+    longest = max(len(e) - len(prefix) for e in engines)
+    models = ax.secondary_xaxis("bottom")
+    models.set_gid("model_axis")
+    models.spines["bottom"].set_position(("outward", 16 + 2.1 * longest))
+    models.spines["bottom"].set_visible(False)
+    models.set_xticks([(b[0] + b[-1]) / 2 for b in blocks], [groups[b[0]][0] for b in blocks], fontsize=8,
+                      fontweight="bold")
+    models.tick_params(axis="x", length=0)
+    for block in blocks[1:]:
+        ax.axvline(block[0] - 0.5, color="0.6", lw=0.8, gid="model_sep")
+    if prefix:
+        ax.set_title(f"{ax.get_title()} (engines {prefix}*)", fontsize=9)
 
 
 def _layer_lines(ax, d: pd.DataFrame, variants, pal) -> list[str]:
@@ -141,7 +176,7 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
         nrows = math.ceil(n / ncols)
         width = max(2 * C.PANEL_SIZE_IN[0], ncols * C.PANEL_SIZE_IN[0]) + 1.3
         many = len(groups) > MANY_GROUPS
-        top_h = 3.4 if many else 1.2  # many groups: k3 above the bitwise fractions, each as wide as the figure
+        top_h = 2.6 if many else 1.2  # many groups: k3 above the bitwise fractions, each as wide as the figure
         fig = Figure(figsize=(width, C.PANEL_SIZE_IN[1] * (top_h + nrows) + 0.6), layout="constrained")
         top, bottom = fig.subfigures(2, 1, height_ratios=[top_h, nrows])
         ax_k3, ax_exact = top.subplots(2, 1) if many else top.subplots(1, 2)
