@@ -318,7 +318,13 @@ def test_style_and_palette_are_seaborns_and_every_variant_has_its_own_colour():
     assert C._SEABORN_WHITEGRID_PAPER == expected
     assert C.COLORBLIND[:10] == sns.color_palette("colorblind", 10).as_hex()
     pal = C.palette(TRAIN_VARIANTS)
+    assert set(pal) == set(C.VARIANT_COLORS) and set(pal.values()) <= set(C.COLORBLIND)
     assert len(set(pal.values())) == len(TRAIN_VARIANTS) == 11  # fp32 used to wrap onto baseline's blue
+    # the stress sweep's nine variants: none of the colours that made two pinks and an orange/tan/yellow trio there
+    stress = ["baseline", "rope", "full", "tis", "mis", "fp16", "fp32-head", "full+fp32-head", "fp32"]
+    light_pink, tan, yellow = "#fbafe4", "#ca9161", "#ece133"
+    assert not {pal[v] for v in stress} & {light_pink, tan, yellow}
+    assert pal["full"] == "#cc78bc" and pal["rope"] == "#de8f05"  # full and rope keep their colours everywhere
 
 
 def test_log_labels_are_plain_text():

@@ -221,6 +221,8 @@ def test_dose_figure_has_a_categorical_dose_axis_and_no_line_across_doses():
         bars = {c.get_gid(): c for c in ax.collections if (c.get_gid() or "").startswith("dose:")}
         assert sorted(bars) == ["dose:baseline", "dose:fp32"]
         assert [len(b.get_segments()) for b in bars.values()] == [2, 2]  # an interval at each dose
+        points = [line for line in data if line.get_marker() == "o"]
+        assert points and all(line.get_markerfacecolor() == "none" for line in points)  # intervals show through
     assert axes[0].get_yscale() == "log"
     # 0 of 3 and 1 of 3 runs with an event: Wilson 95% upper bound of 0/3 is z^2 / (3 + z^2) = 0.561
     assert wilson_interval(0, 3)[1] == pytest.approx(1.959963984540054 ** 2 / (3 + 1.959963984540054 ** 2))

@@ -128,7 +128,14 @@ _SEABORN_WHITEGRID_PAPER = {
 # seaborn's "colorblind" palette (10 colours), then near-black: TRAIN_VARIANTS has 11 entries, and a wrap-around
 # gave fp32 (the 11th) baseline's blue in the stress figures.
 COLORBLIND = ["#0173b2", "#de8f05", "#029e73", "#d55e00", "#cc78bc", "#ca9161", "#fbafe4", "#949494", "#ece133",
-              "#56b4e9", "#1a1a1a"]
+              "#56b4e9", "#1a1a1a", "#6a3d9a", "#a50f15", "#1b5e20"]
+# One colour per variant. The probe's five (baseline, rope, swiglu, norm, full) keep seaborn's colorblind colours; the
+# stress sweep's nine (baseline, rope, full, tis, mis, fp16, fp32-head, full+fp32-head, fp32) take none of its
+# light pink, tan or yellow, which sat next to full's pink and rope's orange there (two pinks; orange, tan and
+# yellow) and were hard to tell apart: purple, crimson and a dark green instead.
+VARIANT_COLORS = {"baseline": "#0173b2", "rope": "#de8f05", "swiglu": "#029e73", "norm": "#d55e00", "full": "#cc78bc",
+                  "tis": "#56b4e9", "mis": "#6a3d9a", "fp16": "#949494", "fp32-head": "#a50f15",
+                  "full+fp32-head": "#1b5e20", "fp32": "#1a1a1a"}
 
 
 @contextlib.contextmanager
@@ -250,12 +257,9 @@ def variant_order(variants) -> list[str]:
 
 def palette(variants) -> dict[str, str]:
     """A fixed colour per variant (by its canonical position, so `full` has one colour in every figure)."""
-    from ..config import TRAIN_VARIANTS
-
-    known = list(TRAIN_VARIANTS)
-    extra = sorted(set(variants) - set(known))
-    return {v: COLORBLIND[(known.index(v) if v in known else len(known) + extra.index(v)) % len(COLORBLIND)]
-            for v in variants}
+    spare = [c for c in COLORBLIND if c not in VARIANT_COLORS.values()]
+    extra = sorted(set(variants) - set(VARIANT_COLORS))
+    return {v: VARIANT_COLORS[v] if v in VARIANT_COLORS else spare[extra.index(v) % len(spare)] for v in variants}
 
 
 def variant_legend(fig: Figure, variants, extra_handles=(), marker: str | None = None) -> None:

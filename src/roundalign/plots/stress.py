@@ -387,8 +387,9 @@ def plot_dose(stress_runs: pd.DataFrame):
             for v, g in st.groupby("variant", sort=False):
                 y, lo, hi = (g[c].to_numpy(dtype="float64") for c in (col, f"{col}_lo", f"{col}_hi"))
                 err = np.vstack([y - lo, hi - y])  # NaN for a cell of one run: no bar drawn there
-                ax.errorbar([x[(d, v)] for d in g["dose"]], y, yerr=err, fmt="o", ms=4, color=pal[v], elinewidth=1.2,
-                            capsize=1.5, gid=f"dose:{v}")
+                # hollow markers: an interval narrower than the marker still shows through it
+                ax.errorbar([x[(d, v)] for d in g["dose"]], y, yerr=err, fmt="o", ms=4.5, mfc="none", mew=1.1,
+                            color=pal[v], elinewidth=1.2, capsize=2, gid=f"dose:{v}")
             _dose_axis(ax, doses)
             ax.set_ylabel(ylabel)
         C.set_log_y(axes[0])
@@ -442,8 +443,8 @@ def plot_gap(gap: pd.DataFrame, sweep_table: pd.DataFrame | None = None):
                     xpos = k - 0.3 + width * (b + 0.5)
                     # a percentile interval of a ratio need not hold the point estimate: never a negative arm
                     err = [[max(y - lo, 0.0)], [max(hi - y, 0.0)]]
-                    ax.errorbar([xpos], [y], yerr=err, fmt=markers[b % len(markers)], ms=4.5,
-                                color=pal[v], elinewidth=1.2, capsize=2, gid=f"share:{v}")
+                    ax.errorbar([xpos], [y], yerr=err, fmt=markers[b % len(markers)], ms=4.5, mfc="none", mew=1.1,
+                                color=pal[v], elinewidth=1.2, capsize=2.5, gid=f"share:{v}")
             ax.axhline(0, color="0.3", lw=0.8, zorder=0)
             ax.axhline(1, color="0.3", lw=0.8, ls=":", zorder=0)
             for y, text in ((0, "baseline"), (1, "fp32")):
