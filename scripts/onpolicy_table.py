@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,12 +70,18 @@ def main(argv=None) -> int:
     out = results / "onpolicy_eager"
     t0 = time.time()
     jobs = []
+    from roundalign.models import weights_fingerprint
+
     for model in built:
         sets = sweep.train_set_args(f"{model}.vllm_cpu" if f"{model}.vllm_cpu" in cfg["models"] else model)
+        fingerprint = weights_fingerprint(str(models_dir / model / "policy"))
         for variant in VARIANTS:
             dest = out / model / variant
-            if (dest / "run.json").is_file():
-                continue
+            if (dest / "run.json").is_file() and \
+                    json.loads((dest / "run.json").read_text()).get("model_fingerprint") == fingerprint:
+                continue  # exported from this very policy
+            # a run of another warm start (or one that predates the fingerprint) is trained again from scratch
+            shutil.rmtree(ROOT / "work/onpolicy_eager" / model / variant, ignore_errors=True)
             cmd = (f"{sys.executable} -m roundalign train --model {models_dir / model / 'policy'} --variant {variant} "
                    f"--seed 0 --out {ROOT / 'work/onpolicy_eager' / model / variant} --export {dest} {sets} "
                    # the eager engine's region kernels are eager (apply_alignment's default for that target: its
