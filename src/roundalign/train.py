@@ -497,6 +497,9 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
         if previous.get("model_fingerprint") not in (None, fingerprint):
             diff.append(f"the model at {cfg.model} changed since this run started (weights fingerprint "
                         f"{previous['model_fingerprint']} vs {fingerprint})")
+        if previous.get("model_fingerprint") is None and previous.get("status") in FINISHED:
+            log(f"[train] {out_dir}: its run predates model fingerprints; whether the model at {cfg.model} changed "
+                "since cannot be told (remove the directory to retrain)")
         if diff:
             raise ConfigError(f"{out_dir} holds a run with another config ({'; '.join(diff)}); "
                               "use another --out or remove that directory")

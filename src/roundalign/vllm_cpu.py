@@ -269,8 +269,10 @@ def engine_norm_sum_orders(llm) -> list[tuple[int, int]]:
     local = compile_cache_dir(llm)
     roots = [p for p in (local, *local.parents) if (p / "inductor_cache").is_dir()] if local else []
     if not roots:
-        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {str(local)!r} "
-                                "(vLLM keeps it under $VLLM_CACHE_ROOT/torch_compile_cache)")
+        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {str(local)!r} (vLLM "
+                                "keeps it under $VLLM_CACHE_ROOT/torch_compile_cache; an engine that compiled in its "
+                                "own process leaves none here: build it with VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's "
+                                "colocated engine runs)")
     # vllm_only: the process's later compiles land in the same cache (a probe's emulated engine has its own graph)
     orders = inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(roots[0] / "inductor_cache",
                                                                             vllm_only=True))
