@@ -2,7 +2,7 @@
 
     roundalign train --model work/models/tiny-qwen2-sft --variant full --seed 0 --out work/runs/q2-full-s0
     roundalign train --model Qwen/Qwen2.5-Math-1.5B --variant rope --backend vllm --task math \\
-        --config configs/train/paper.yaml --out runs/q25m15-rope-s0
+        --steps 500 --set learning_rate=1e-6 --out runs/q25m15-rope-s0
 
 This module builds a ``GRPOConfig`` from our ``TrainConfig``, applies the alignment to the policy before
 the trainer exists, wires the engine (``trl_bridge``), and keeps the run's files:

@@ -24,7 +24,7 @@ whole model as one Inductor graph with attention an opaque op inside it (``vllm/
 ``CompilationMode.DYNAMO_TRACE_ONCE``, no splitting ops), so no value is stored between layers but what enters
 a GEMM or attention; eager, it runs the native formulas uncompiled (RMSNorm, SiLU-and-mul) and the C++
 ``rotary_embedding`` kernel (fp32 inside; its result truncated to bf16 by the AVX2 and AVX-512 builds,
-rounded to nearest by the AVX-512-BF16 build: ``cpu_rope_rounding``). Measured against the real engine: ``tests/test_vllm_cpu.py``.
+rounded to nearest by the AVX-512-BF16 build: ``cpu_rope_rounding``). Measured against the real engine: ``tests/vllm_cpu/test_real_engine.py``.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def rope_fused(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | Non
 def round_toward_zero(x: Tensor, dtype: torch.dtype) -> Tensor:
     """fp32 -> bf16 by truncation (round toward zero: the low 16 bits of the fp32 pattern dropped), the
     conversion vLLM-CPU's C++ ``rotary_embedding`` kernel writes with (measured against vLLM 0.31.0's CPU
-    build: ``tests/test_vllm_cpu.py``; round-to-nearest-even matched 53% of elements, truncation all).
+    build: ``tests/vllm_cpu/``; round-to-nearest-even matched 53% of elements, truncation all).
     The truncated pattern is a bf16 value, so the final cast is exact. Only bf16 has this conversion;
     other dtypes round to nearest (the fp32 model's no-op: ``x`` is returned as it is)."""
     if dtype != torch.bfloat16:
