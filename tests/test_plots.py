@@ -471,3 +471,15 @@ def test_fig_probe_with_many_model_engine_groups_names_each_model_once_and_engin
         assert [t.get_text() for t in models_axis.get_xticklabels()] == models
         assert list(models_axis.get_xticks()) == [2.5, 8.5, 14.5, 20.5]
         assert len([line for line in ax.get_lines() if line.get_gid() == "model_sep"]) == 3
+
+
+def test_fig_probe_layer_panels_have_a_labelled_tick_above_their_data():
+    # the committed smoke fig_probe had its per-layer values (6e-3..1e-2) above the panels' top tick (1e-3)
+    rows = [(m, v, layer, x * (layer + 1)) for m, x in (("m1", 6e-3), ("m2", 1.1e-2))
+            for v in ("baseline", "rope") for layer in range(2)]
+    probe = pd.DataFrame(columns=["sweep", "model", "engine", "variant", "level", "metric", "value"])
+    fig, axes = plot_probe(probe, _layers_frame(rows))
+    for ax, top in zip(axes["layers"], (1.2e-2, 2.2e-2)):
+        lo, hi = ax.get_ylim()
+        ticks = [t for t in ax.get_yticks() if lo <= t <= hi]
+        assert max(ticks) >= top and hi >= top, (ticks, hi)

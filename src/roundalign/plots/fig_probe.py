@@ -215,6 +215,9 @@ def plot_probe(probe: pd.DataFrame, probe_layers: pd.DataFrame):
             _layer_lines(ax, d, variants, pal)
             C.set_log_y(ax)
             C.mark_floor(ax, floor)
+            top = float(d["value"].max()) if len(d) else float("nan")
+            if np.isfinite(top) and top > 0:  # up to the next decade, so that a labelled tick sits above the data
+                ax.set_ylim(top=10.0 ** math.ceil(math.log10(top) + 1e-9))
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             where = ", ".join(part for part in _engine_parts(group[1]) if part)
             ax.set_title(f"{group[0]} ({where})" if multi_engine else group[0], fontsize=9)
