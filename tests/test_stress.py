@@ -187,6 +187,10 @@ def test_survival_rows_run_to_the_horizon_with_the_number_at_risk():
     (events,) = [line for line in ax.get_lines() if line.get_gid() == "event"]
     assert list(events.get_xdata()) == [40.0, 75.0]
     assert [t.get_text() for t in ax.texts if t.get_gid() == "final"] == ["0.33"]
+    # each row's own y scale, on the right: 0 at the row's base, 1 at its top (baseline's row is the upper one)
+    (scale,) = [c for c in axes[-1].child_axes if c.get_gid() == "row_scale"]
+    assert list(scale.get_yticks()) == pytest.approx([1, 1 + SURVIVAL_ROW, 0, SURVIVAL_ROW])
+    assert [t.get_text() for t in scale.get_yticklabels()] == ["0", "1", "0", "1"]
 
 
 def test_gap_figure_draws_a_note_where_there_is_no_gap_and_intervals_elsewhere():

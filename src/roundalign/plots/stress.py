@@ -242,6 +242,14 @@ def plot_survival(surv: pd.DataFrame, stress_runs: pd.DataFrame):
         ax.set_yticks([n - 1 - i + SURVIVAL_ROW / 2 for i in range(len(variants))], variants)
         for label, v in zip(ax.get_yticklabels(), variants):
             label.set_color(pal[v])
+        # each row's own survival scale, S = 0 at its solid line and 1 at its dotted one, on the right of the panels
+        scale = axes[-1].secondary_yaxis("right")
+        scale.set_gid("row_scale")
+        rows = [n - 1 - i for i in range(len(variants))]
+        scale.set_yticks([y for y0 in rows for y in (y0, y0 + SURVIVAL_ROW)], ["0", "1"] * len(rows), fontsize=6,
+                         color="0.4")
+        scale.tick_params(axis="y", length=2, color="0.6")
+        scale.set_ylabel("S (each row)", fontsize=7, color="0.4")
         C.suptitle(fig, "Survival without a collapse event (Kaplan-Meier, pooled over models and seeds)",
                    stress_runs if len(stress_runs) else surv,
                    "each row: S from 0 (solid line) to 1 (dotted); bands: 95% Greenwood; x: events; grey: runs at "
