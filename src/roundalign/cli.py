@@ -230,7 +230,7 @@ def run_probe_cli(args) -> None:
     _setup_runtime()
     if args.backend == "vllm":
         from .numerics.plan import CPU_ENGINES
-        from .probe_gpu import run_probe_gpu
+        from .probe_real import run_probe_real
 
         if cfg.engine in CPU_ENGINES:
             # vLLM's CPU build in this process: its model (hooks, GEMM dispatch) is then readable; a 1 GiB KV
@@ -240,7 +240,7 @@ def run_probe_cli(args) -> None:
 
             small_kv_cache()
 
-        run_probe_gpu(cfg, args.out, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
+        run_probe_real(cfg, args.out, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
     else:
         run_probe(cfg, args.out)
 

@@ -224,12 +224,7 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     meta_json = out_csv.with_suffix(".json")
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
-    if cfg.attn == "vllm_cpu":
-        from .probe_gpu import load_probe_model
-
-        model = load_probe_model(cfg.model, cfg.dtype, cfg.attn)
-    else:
-        model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
+    model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)  # vllm_cpu: registered and switched to there
     label = model_label(cfg.model)
     engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
                     norm_reduction=cfg.norm_reduction, kv_cache_dtype=cfg.kv_cache_dtype)

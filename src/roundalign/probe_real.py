@@ -42,7 +42,7 @@ from .engine import Engine
 from .engine.generate import Sample
 from .envinfo import environment_info
 from .io import atomic_write_csv, atomic_write_json, check_writable
-from .probe import ProbeConfig, _prompts, compare_variants, model_label
+from .probe import ProbeConfig, _prompts, compare_variants, model_label, rms_rel_err
 
 
 
@@ -187,14 +187,14 @@ def preflight(cfg: ProbeConfig, device: str, log=print) -> str:
     return device
 
 
-def run_probe_gpu(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda",
+def run_probe_real(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda",
                   gpu_memory_utilization: float = 0.45, log=print):
     """The real-engine probe (module docstring); returns (table vs vLLM, layer table, table vs emulated engine).
     With vLLM's CPU build also ``<stem>_teacher_forced.csv`` (trainer vs the engine's prompt logprobs of the same
     tokens) and, in eager mode, ``<stem>_engine_layers.csv`` (the emulated engine vs the real one, per layer)."""
     import pandas as pd
 
-    from .models import load_tokenizer, resolve_model_path
+    from .models import load_model, load_tokenizer, resolve_model_path
 
     resolve_model_path(cfg.model)
     if cfg.kv_cache_dtype != "auto":
@@ -217,7 +217,7 @@ def run_probe_gpu(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda"
     n_real = sum(len(s.completion_ids) for s in real)
     log(f"[probe] {label}: vLLM {cfg.engine} sampled {len(real)} completions, {n_real} tokens "
         f"({time.perf_counter() - t0:.1f}s)")
-    model = load_probe_model(cfg.model, cfg.dtype, cfg.attn).to(device)
+    model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn).to(device)
     engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk)
     emulated = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                seed=cfg.seed, eos_token_id=tokenizer.eos_token_id, record_layer_states=True)
@@ -264,27 +264,10 @@ def run_probe_gpu(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda"
     return table, layer_table, emu_table
 
 
-def load_probe_model(path: str, dtype: str, attn: str):
-    """The trainer's model with attention ``attn`` (``vllm_cpu`` is registered by ``roundalign.vllm_cpu`` and
-    switched to after loading)."""
-    from .models import load_model
-
-    if attn != "vllm_cpu":
-        return load_model(path, dtype=dtype, attn=attn)
-    from . import vllm_cpu
-
-    vllm_cpu.register()
-    model = load_model(path, dtype=dtype, attn="eager")
-    model.set_attn_implementation("vllm_cpu")
-    return model
-
-
 def emulated_vs_real_layers(engine: Engine, forced: list[Sample], label: str, engine_name: str, attn: str) -> list:
     """How close the emulation is to the real engine, layer by layer: the emulated engine's residual stream after
     each layer in one prefill of the same tokens, against the real engine's (hooks); RMS relative error and the
     fraction of elements bitwise equal."""
-    from .probe import rms_rel_err
-
     pairs = None
     for s in forced:
         states: list[torch.Tensor] = []
