@@ -60,11 +60,8 @@ SLURM_LOCAL := scripts/slurm_local.sh
 export ROUNDALIGN_SLURM_DIR ?= /tmp/roundalign-slurm
 
 # The two environments' suites run side by side on a machine with 2+ cores (each is mostly one torch thread);
-# TEST_PARALLEL=0 runs them one after the other. tests/vllm_cpu takes about half the main suite's time, so the
-# second stream also runs TEST_SECOND_STREAM (main-suite files, in .venv) once it is done. Measured on 2 cores: the
-# main suite alone took 29 min beside a 15-min vllm_cpu stream; with slurm and hf_model_tests moved, 29 min 42 s
-# beside 22 min (both streams slow each other: ~52 min of work on 2 cores). With torch_compile moved too: 27:13
-# beside 29:32; after the end-to-end tests were shortened (main -3 min, slurm -1.3 min) it came back to main.
+# TEST_PARALLEL=0 runs them one after the other. The second stream (tests/vllm_cpu, in .venv-vllm) also runs
+# TEST_SECOND_STREAM (main-suite files, in .venv) once it is done, so that both streams take about as long.
 TEST_PARALLEL ?= 1
 TEST_SECOND_STREAM ?= tests/test_slurm.py tests/test_hf_model_tests.py
 # Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
