@@ -40,6 +40,7 @@ import os
 import torch
 
 from .sdpa_grad import sdpa_grad_per_request, sdpa_reference  # noqa: F401 (sdpa_reference: re-exported)
+from .vllm_internals import compile_cache_dir, cpu_gemm_utils, inprocess_model, vllm_config  # noqa: F401
 
 ATTN_NAME = "vllm_cpu"
 # vLLM 0.31.0's CPU backend (CPUAttentionBackend.get_supported_head_sizes, cpu_attn.py:69-70)
@@ -113,34 +114,13 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
                block_size: int = DEFAULT_BLOCK_SIZE, sliding_window: int = -1, softcap: float = 0.0
                ) -> torch.Tensor:
     """Causal attention of one request through vLLM's CPU ops. ``q``: (Tq, H, D), the last Tq tokens of a
-    sequence whose ``k``/``v`` are (Tk, H_kv, D). Returns (Tq, H, D) in q's dtype."""
-    ops, envs, _ = _vllm()
-    tq, nh, d = q.shape
-    tk, nkv, _ = k.shape
-    if d not in SUPPORTED_HEAD_SIZES:
-        raise ValueError(f"vLLM's CPU attention does not support head_dim={d}; supported: "
-                         f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
-    isa = attn_isa(q.dtype, block_size, d)
-    nb = max(1, math.ceil(tk / block_size))
-    kv_cache = torch.zeros((nb, nkv, block_size, 2 * d), dtype=k.dtype)
-    key_cache, value_cache = kv_cache.view((nb, nkv, block_size * 2, d)).chunk(2, dim=2)
-    slot_mapping = torch.arange(tk, dtype=torch.int64)
-    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slot_mapping, isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-    seq_lens = torch.tensor([tk], dtype=torch.int32)
-    query_start_loc = torch.tensor([0, tq], dtype=torch.int32)
-    block_table = torch.arange(nb, dtype=torch.int32).unsqueeze(0)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=nh, num_kv_heads=nkv, head_dim=d, seq_lens=seq_lens, dtype=q.dtype,
-        query_start_loc=query_start_loc, causal=True, sliding_window_size=sliding_window, isa=isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto")
-    out = torch.empty((tq, nh, d), dtype=q.dtype)
-    ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None,
-        sliding_window=sliding_window, block_table=block_table, softcap=softcap, scheduler_metadata=meta,
-        s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-    return out
+    sequence whose ``k``/``v`` are (Tk, H_kv, D). Returns (Tq, H, D) in q's dtype (:func:`attend_requests` with
+    one request)."""
+    tq, tk = q.shape[0], k.shape[0]
+    out = attend_requests(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                          [(0, 0, tq, 0, tk)], scale, block_size=block_size, sliding_window=sliding_window,
+                          softcap=softcap)
+    return out[0]
 
 
 LIVE_GEMM = "F.linear (live weights)"
@@ -160,8 +140,6 @@ def install_live_gemm_dispatch() -> None:
     import inspect
 
     import torch.nn.functional as F
-    from .vllm_internals import cpu_gemm_utils
-
     U = cpu_gemm_utils()
 
     request_amx()  # the engine built next may run AMX kernels (SGL's GEMM, its attention)
@@ -193,21 +171,11 @@ def install_live_gemm_dispatch() -> None:
 
 def uninstall_live_gemm_dispatch() -> None:
     """Put vLLM's own ``dispatch_cpu_unquantized_gemm`` back (engines built afterwards prepack again; tests)."""
-    from .vllm_internals import cpu_gemm_utils
-
     U = cpu_gemm_utils()
 
     fn = U.dispatch_cpu_unquantized_gemm
     if getattr(fn, "_roundalign_live", False):
         U.dispatch_cpu_unquantized_gemm = fn.__wrapped__
-
-
-def inprocess_model(llm):
-    """The engine's model when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or TRL's colocated
-    ``external_launcher``), else None (``roundalign.vllm_internals``)."""
-    from .vllm_internals import inprocess_model as model_of
-
-    return model_of(llm)
 
 
 def _gemm_path(fn) -> str:
@@ -239,8 +207,6 @@ def engine_kernels(llm) -> dict:
         impl = getattr(mod, "impl", None)
         if impl is not None and hasattr(mod, "kv_cache"):
             attn.setdefault(type(impl).__name__, set()).add(getattr(mod, "isa", None))
-    from .vllm_internals import vllm_config
-
     cfg = vllm_config(llm)
     return {"inspected": True,
             "gemm": {k: len(v) for k, v in sorted(gemms.items())},
@@ -260,7 +226,6 @@ def engine_norm_sum_orders(llm) -> list[tuple[int, int]]:
     <hash>`` and points ``TORCHINDUCTOR_CACHE_DIR`` at its ``inductor_cache`` (vllm/compilation/decorators.py:
     ``compilation_config.local_cache_dir``); a cache hit reads the code written by the first build."""
     from . import inductor_code
-    from .vllm_internals import compile_cache_dir, vllm_config
 
     cc = vllm_config(llm).compilation_config
     if int(cc.mode) == 0:
@@ -316,9 +281,9 @@ def attend_requests(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Every request of a padded batch in ONE call of vLLM's CPU ops, as the engine runs a batch of prefills: one
     paged KV cache with each request's own blocks, ``query_start_loc``/``seq_lens``/``block_table`` per request.
     ``query`` (B, H, Tq, D), ``key``/``value`` (B, H_kv, Tk, D), ``spans`` as :func:`_spans`. Returns
-    (B, Tq, H, D), zeros on padded query rows. Each request's output is ``attend_one``'s bit for bit (the kernel
-    computes requests independently; ``tests/vllm_cpu/test_attention_grad.py`` checks it), without a Python loop
-    of op calls per sequence."""
+    (B, Tq, H, D), zeros on padded query rows. Each request's output is that of a call for that request alone, bit for
+    bit (the kernel computes requests independently; ``tests/vllm_cpu/test_attention_grad.py`` checks it), without
+    a Python loop of op calls per sequence."""
     ops, envs, _ = _vllm()
     bsz, nh, tq, d = query.shape
     nkv = key.shape[1]
@@ -363,14 +328,10 @@ def attend_requests(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _forward(query, key, value, spans, scale: float, window: int, softcap: float) -> torch.Tensor:
-    return attend_requests(query, key, value, spans, scale, sliding_window=window, softcap=softcap)
-
-
 class VllmCpuAttentionFunction(torch.autograd.Function):
     """vLLM-CPU's attention forward with the gradient of torch SDPA at the same q/k/v.
 
-    Forward: the engine's own ops (``attend_one``), one request per sequence, so the trainer's activations are the
+    Forward: the engine's own ops (``attend_requests``), one request per sequence, so the trainer's activations are the
     engine's bit for bit where the rest of the forward rounds like the engine. Backward: for each request, SDPA's
     forward is recomputed at the saved (bf16) q/k/v and differentiated with ``torch.autograd.grad``. SDPA rather
     than an fp32 eager formula because it is the gradient a stock ``attn_implementation="sdpa"`` trainer takes: the
@@ -384,7 +345,7 @@ class VllmCpuAttentionFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, spans, scale, window, softcap):
         ctx.save_for_backward(query, key, value)
         ctx.spans, ctx.scale = spans, scale
-        return _forward(query, key, value, spans, scale, window, softcap)
+        return attend_requests(query, key, value, spans, scale, sliding_window=window, softcap=softcap)
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: (B, Tq, H, D)
@@ -414,7 +375,8 @@ def vllm_cpu_attention(module, query, key, value, attention_mask, dropout: float
                                       f"only (got sliding_window={sliding_window}, softcap={softcap}): its backward "
                                       "is SDPA's, which has neither")
         return VllmCpuAttentionFunction.apply(query, key, value, spans, float(scale), window, 0.0), None
-    return _forward(query, key, value, spans, float(scale), window, float(softcap or 0.0)), None
+    return attend_requests(query, key, value, spans, float(scale), sliding_window=window,
+                           softcap=float(softcap or 0.0)), None
 
 
 def register() -> None:

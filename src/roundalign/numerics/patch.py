@@ -351,7 +351,7 @@ def norm_modules(model: nn.Module) -> list[nn.Module]:
     return [*out, trunk.norm]
 
 
-def _set_sum_orders(model: nn.Module, plan: RoundingPlan, variant: str, engine: str, orders) -> list | None:
+def _set_sum_orders(model: nn.Module, variant: str, engine: str, orders) -> list | None:
     if orders is None:
         return None
     orders = [tuple(int(v) for v in o) for o in orders]
@@ -440,7 +440,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     _uninstall(trunk.norm)
     if plan.aligns_norm:
         _install(trunk.norm, plan, kernels, **{SLOT_ATTR: slot})
-    orders = _set_sum_orders(model, plan, variant, engine, norm_sum_orders)
+    orders = _set_sum_orders(model, variant, engine, norm_sum_orders)
     setattr(model, _STATE_ATTR, (variant, engine, kernels))
     # Record the alignment in a config of this model's own: HF models built from one config object share it,
     # and writing into a shared one would make a never-aligned sibling save (and load_model re-apply) it.
