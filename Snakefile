@@ -19,7 +19,7 @@ if "models" not in config:
 
 
 # a short message naming each offending key (and the closest valid one) instead of jsonschema's whole-schema report
-from roundalign.sweep import explain_schema_errors
+from roundalign.training.sweep import explain_schema_errors
 
 _problems = explain_schema_errors(config, "workflow/schemas/sweep.schema.yaml")
 if _problems:

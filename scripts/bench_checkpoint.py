@@ -4,7 +4,7 @@
 
 Writes checkpoint-shaped directories like the runner's (bf16 weights as safetensors, fp32 masters and two Adam
 moments as one torch.save file, trainer_state.json) for a model of ``--params`` parameters, then completes each
-with ``roundalign.checkpoints.mark_complete``: with the flush (fsync of every file and directory, then the marker:
+with ``roundalign.training.checkpoints.mark_complete``: with the flush (fsync of every file and directory, then the marker:
 the default) and without (``ROUNDALIGN_CKPT_FSYNC=0``: the marker only), alternating, ``--rounds`` each. Reports
 the median time to write the files, to complete them, and the ratio of whole saves, all measured in this one run.
 The flush's cost is the disk's: it waits until the bytes are on the device instead of in the page cache.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from roundalign.checkpoints import mark_complete, verify
+from roundalign.training.checkpoints import mark_complete, verify
 from roundalign.io import atomic_write_text
 
 

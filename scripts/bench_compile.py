@@ -34,8 +34,8 @@ import torch
 from roundalign import apply_alignment
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_text
-from roundalign.models import load_model
-from roundalign.tiny import make_tiny
+from roundalign.models.load import load_model
+from roundalign.models.tiny import make_tiny
 
 EMULATE = {"emulate_precision_casts": True}
 # arm -> (variant, engine, compile options or None for eager)

@@ -6,7 +6,7 @@
 One training step (forward + ``loss.backward()``) of a tiny bf16 Qwen2 and Qwen3 (4 layers, hidden 256,
 intermediate 1408 = 5.5x hidden as Qwen2.5, 4 heads / 2 KV heads, vocab 512, batch 2 x 256 tokens), with and
 without ``gradient_checkpointing_enable()`` (HF default: non-reentrant), for ``baseline``, ``full`` with eager
-region kernels and ``full`` with compiled ones. Measured by ``roundalign.activation_memory.step_memory``:
+region kernels and ``full`` with compiled ones. Measured by ``roundalign.verify.activation_memory.step_memory``:
 
 - saved: bytes autograd keeps for backward at the end of the forward (unique storages, parameters excluded).
   Without checkpointing this is also the peak of live saved bytes during the forward (saved tensors only
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from roundalign import apply_alignment
-from roundalign.activation_memory import step_memory
+from roundalign.verify.activation_memory import step_memory
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_text
 

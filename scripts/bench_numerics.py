@@ -34,9 +34,9 @@ import torch
 from roundalign import apply_alignment
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_text
-from roundalign.models import load_model
-from roundalign.probe import ProbeConfig, run_probe
-from roundalign.tiny import make_tiny
+from roundalign.models.load import load_model
+from roundalign.probes.probe import ProbeConfig, run_probe
+from roundalign.models.tiny import make_tiny
 
 
 def time_variants(arch: str, root: Path, rounds: int, seq: int) -> dict[str, list[float]]:

@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from roundalign.config import build_config
+from roundalign.training.config import build_config
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_text
-from roundalign.pretrain import pretrain_tiny
-from roundalign.tiny import make_tiny
-from roundalign.train import run_train
+from roundalign.models.pretrain import pretrain_tiny
+from roundalign.models.tiny import make_tiny
+from roundalign.training.train import run_train
 
 RUN = {"prompts_per_step": 8, "num_generations": 4, "per_device_batch_size": 32, "max_completion_length": 6,
        "learning_rate": 2e-3, "checkpoint_every": 1000}
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
 def main_vllm(args) -> int:
     """GRPO step time against the real engine: baseline vs full with eager and with compiled region kernels."""
-    from roundalign import vllm_cpu
+    from roundalign.bridge import vllm_cpu
 
     if not vllm_cpu.available():
         raise SystemExit("bench_train.py --backend vllm: vLLM's CPU build is not importable here; run it with "

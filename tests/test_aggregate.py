@@ -1,4 +1,4 @@
-"""roundalign.aggregate on small synthetic result trees written into tmp_path (no training)."""
+"""roundalign.analysis.aggregate on small synthetic result trees written into tmp_path (no training)."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import torch
 
 torch.set_num_threads(1)  # roundalign imports torch; keep CPU tests single-threaded
 
-from roundalign.aggregate import (PROBE_COLUMNS, PROBE_LAYERS_COLUMNS, RUN_STATUS_COLUMNS, RUNS_COLUMNS, aggregate,
+from roundalign.analysis.aggregate import (PROBE_COLUMNS, PROBE_LAYERS_COLUMNS, RUN_STATUS_COLUMNS, RUNS_COLUMNS, aggregate,
                                   collect)
 from roundalign.cli import main
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from roundalign.models import ModelConfigError, check_model_config, load_model
-from roundalign.tiny import make_tiny
+from roundalign.models.load import ModelConfigError, check_model_config, load_model
+from roundalign.models.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def test_root_help_has_no_rst_markup_and_train_help_says_model_is_required():
 def test_a_misspelled_sweep_key_gets_the_closest_valid_key_not_the_schema(tmp_path):
     import yaml
 
-    from roundalign.sweep import explain_schema_errors
+    from roundalign.training.sweep import explain_schema_errors
 
     schema = ROOT / "workflow/schemas/sweep.schema.yaml"
     cfg = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())

@@ -1,4 +1,4 @@
-"""Crash-consistent checkpoints (roundalign.checkpoints): a run killed while it saves, or whose newest checkpoint
+"""Crash-consistent checkpoints (roundalign.training.checkpoints): a run killed while it saves, or whose newest checkpoint
 was damaged afterwards, sets that checkpoint aside, resumes from the last complete one and ends with the
 uninterrupted run's metrics.jsonl (wall-clock fields aside) and status ``done``.
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from roundalign import checkpoints as C
-from roundalign.config import build_config
-from roundalign.pretrain import pretrain_tiny
-from roundalign.tiny import make_tiny
-from roundalign.train import TIMING_KEYS, run_train
+from roundalign.training import checkpoints as C
+from roundalign.training.config import build_config
+from roundalign.models.pretrain import pretrain_tiny
+from roundalign.models.tiny import make_tiny
+from roundalign.training.train import TIMING_KEYS, run_train
 
 torch.set_num_threads(1)
 FAST = {"prompts_per_step": 4, "num_generations": 4, "per_device_batch_size": 16, "max_completion_length": 6,
@@ -178,7 +178,7 @@ def test_fault_point_names_are_checked_and_fire_once(tmp_path, monkeypatch):
 def test_mark_complete_flushes_every_file_before_the_marker_exists(tmp_path, monkeypatch):
     """The order a crash cannot show (a SIGKILL keeps the page cache, so both orders end alike after a kill): every
     file and directory of the checkpoint is fsynced before the marker is written, then the marker itself."""
-    from roundalign import checkpoints as C
+    from roundalign.training import checkpoints as C
 
     ckpt = tmp_path / "checkpoint-3"
     (ckpt / "global_step3").mkdir(parents=True)

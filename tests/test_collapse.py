@@ -1,11 +1,11 @@
-"""The collapse detectors on their own (roundalign.collapse): onset and detection steps worked out by hand,
+"""The collapse detectors on their own (roundalign.training.collapse): onset and detection steps worked out by hand,
 flag-once, non-finite and missing values, and a save/restore in the middle equal to an uninterrupted run."""
 
 import math
 
 import pytest
 
-from roundalign.collapse import GradNormCollapse, RewardCollapse
+from roundalign.training.collapse import GradNormCollapse, RewardCollapse
 
 
 def _feed(det, values, start=1):

@@ -195,7 +195,7 @@ def test_aligned_model_pickles_and_saves_its_alignment(arch, kernels, tmp_path):
     assert torch.equal(_trainer_logits(loaded, ids), want)
     assert torch.equal(_trainer_logits(pickle.loads(pickle.dumps(model)), ids), want)
     model.save_pretrained(tmp_path / "m")
-    from roundalign.models import load_model
+    from roundalign.models.load import load_model
 
     again = load_model(str(tmp_path / "m"))
     assert again.config.roundalign == {"variant": "full", "engine": "vllm-compiled", "kernels": kernels}

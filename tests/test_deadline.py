@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from roundalign.config import build_config
-from roundalign.deadline import RunState, job_end_time, make_deadline_callback
-from roundalign.tiny import make_tiny
-from roundalign.train import run_train
+from roundalign.training.config import build_config
+from roundalign.training.deadline import RunState, job_end_time, make_deadline_callback
+from roundalign.models.tiny import make_tiny
+from roundalign.training.train import run_train
 
 torch.set_num_threads(1)
 QUIET = dict(log=lambda *_: None)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from roundalign import distributed as D
-from roundalign.trl_bridge import step_mismatch_metrics
+from roundalign.training import distributed as D
+from roundalign.training.trl_bridge import step_mismatch_metrics
 
 
 def _batches():
@@ -51,7 +51,7 @@ def _worker(rank, world, port, results):
         keep_going = D.any_rank(False)
         # the engine raising on one rank makes the rollout raise on every rank (no rank left waiting)
         from roundalign.engine import NonFiniteLogitsError
-        from roundalign.train import make_rollout
+        from roundalign.training.train import make_rollout
 
         class Engine:
             def generate(self, ids, **kw):

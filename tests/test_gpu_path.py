@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from roundalign.config import ConfigError, build_config
-from roundalign.sweep import Sweep
+from roundalign.training.config import ConfigError, build_config
+from roundalign.training.sweep import Sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_grpo_args_exist_before_the_model_is_loaded(tmp_path, monkeypatch):
     # Under `accelerate launch` + DeepSpeed, building GRPOConfig registers HfDeepSpeedConfig; only a model loaded
     # after that is created under zero.Init (zero3_init_flag), so every rank holds a shard, not the whole model.
-    import roundalign.models as models
-    import roundalign.train as train
-    from roundalign.tiny import make_tiny
+    import roundalign.models.load as models
+    import roundalign.training.train as train
+    from roundalign.models.tiny import make_tiny
 
     model = str(make_tiny("qwen2", tmp_path / "m", hidden=32, layers=1))
     order = []

@@ -252,7 +252,7 @@ def test_sum_sq_in_order_is_inductors_reduction_read_from_its_code(dtype, stores
     materialise the residual stream)."""
     from torch._inductor.utils import run_and_get_code
 
-    from roundalign.inductor_code import norm_sum_orders, parse_output_code
+    from roundalign.bridge.inductor_code import norm_sum_orders, parse_output_code
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(T, HIDDEN, generator=g) * torch.rand(T, 1, generator=g) * 30).to(dtype)
@@ -284,7 +284,7 @@ def test_find_output_code_can_keep_to_vllms_own_graphs(tmp_path):
     """vLLM points the process's TORCHINDUCTOR_CACHE_DIR into its compile cache, so a probe's emulated one-graph
     engine (its attention op is roundalign's) lands beside the real engine's graph, with more kernel calls; reading
     the engine's reduction orders from it gave none (seen in a sweep). ``vllm_only`` keeps to graphs of vLLM ops."""
-    from roundalign.inductor_code import find_output_code
+    from roundalign.bridge.inductor_code import find_output_code
 
     def module(attention_op, calls):
         body = "\n".join(f"    cpp_fused_k_{i}(buf{i})" for i in range(calls))

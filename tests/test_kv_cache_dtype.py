@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import random_qwen
 
-from roundalign.config import ConfigError, build_config
+from roundalign.training.config import ConfigError, build_config
 from roundalign.engine import Engine, EngineModel, KVCache
 from roundalign.engine.choices import KV_CACHE_DTYPES
 from roundalign.engine.model import fp8_kv_roundtrip

@@ -312,7 +312,7 @@ def test_norm_sum_orders_reach_every_norm_and_are_checked(arch, tmp_path, monkey
     its squares in that order (``regions.sum_sq_in_order``, checked against Inductor in tests/test_inductor.py,
     against the real engine in tests/vllm_cpu), in both kernel modes; the orders travel with
     save_pretrained/load_model, and bad input is refused naming what is wrong."""
-    from roundalign.models import load_model
+    from roundalign.models.load import load_model
     from roundalign.numerics import regions
     from roundalign.numerics.patch import norm_modules
 

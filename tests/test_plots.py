@@ -1,4 +1,4 @@
-"""roundalign.plots on a small synthetic aggregate written into tmp_path (no training).
+"""roundalign.analysis.plots on a small synthetic aggregate written into tmp_path (no training).
 
 The aggregate: models m1, m2; variants baseline, full; seeds 0, 1; 20 steps, except m1/baseline/seed1,
 which collapsed at step 15. Values are simple functions of the step so summaries can be checked by hand:
@@ -17,14 +17,14 @@ import torch
 
 torch.set_num_threads(1)  # roundalign imports torch; keep CPU tests single-threaded
 
-from roundalign.aggregate import Aggregate, RUN_STATUS_COLUMNS, write_aggregate
+from roundalign.analysis.aggregate import Aggregate, RUN_STATUS_COLUMNS, write_aggregate
 from roundalign.cli import main
-from roundalign.plots import CAPTIONS, FIGURES, make_all
-from roundalign.plots import _common as C
-from roundalign.plots.fig_is_ratio import plot_is_ratio
-from roundalign.plots.fig_k3 import plot_k3
-from roundalign.plots.fig_probe import plot_probe
-from roundalign.plots.summary import final_mean
+from roundalign.analysis.plots import CAPTIONS, FIGURES, make_all
+from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots.fig_is_ratio import plot_is_ratio
+from roundalign.analysis.plots.fig_k3 import plot_k3
+from roundalign.analysis.plots.fig_probe import plot_probe
+from roundalign.analysis.plots.summary import final_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -97,7 +97,7 @@ def test_rerun_is_byte_identical(rendered):
 
 def test_byte_identical_in_a_fresh_process_with_another_hash_seed(agg_dir, rendered, tmp_path):
     # a Snakemake rerun is a new process: set iteration order (hash seed) must not leak into the bytes
-    code = ("import sys; from roundalign.plots import make_all; "
+    code = ("import sys; from roundalign.analysis.plots import make_all; "
             "make_all(sys.argv[1], sys.argv[2], formats=('png', 'pdf'), figures=['fig_k3', 'fig_probe'])")
     env = {**os.environ, "PYTHONHASHSEED": "12345", "ROUNDALIGN_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code, str(agg_dir), str(tmp_path)], check=True, env=env,
@@ -311,7 +311,7 @@ def test_band_is_one_polygon_per_finite_run():
 def test_style_and_palette_are_seaborns_and_every_variant_has_its_own_colour():
     import seaborn as sns
 
-    from roundalign.config import TRAIN_VARIANTS
+    from roundalign.training.config import TRAIN_VARIANTS
 
     expected = {**sns.axes_style("whitegrid"), **sns.plotting_context("paper")}
     expected.pop("image.cmap")  # "rocket": registered only by an imported seaborn; no figure draws an image
@@ -340,9 +340,9 @@ def test_cli_plot_draws_several_sweeps_in_one_process_without_torch(agg_dir, tmp
     assert (a / "summary.csv").read_bytes() == (b / "summary.csv").read_bytes()
     assert main(["plot", "--aggregate", str(agg_dir), str(agg_dir), "--out", str(a)]) == 2
     assert "one output directory per aggregate directory" in capsys.readouterr().err
-    # the figure verbs parse without make_parser(), whose roundalign.tiny import pulls in torch (~3 s a process)
+    # the figure verbs parse without make_parser(), whose roundalign.models.tiny import pulls in torch (~3 s a process)
     code = ("import sys; from roundalign import cli; cli.make_figure_parser().parse_args(['plot', '--aggregate', 'x', "
-            "'--out', 'y', '--stress']); import roundalign.plots, roundalign.plots.stress; print('torch' in sys.modules)")
+            "'--out', 'y', '--stress']); import roundalign.analysis.plots, roundalign.analysis.plots.stress; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "False"
 
@@ -350,7 +350,7 @@ def test_cli_plot_draws_several_sweeps_in_one_process_without_torch(agg_dir, tmp
 def test_parallel_rebuild_writes_the_serial_bytes_and_paths(agg_dir, rendered, tmp_path, capsys):
     # make figures shares the figures out among forked workers (one per core): each figure is still drawn by one
     # process from the same tables, so the files and the returned order must be the serial run's
-    from roundalign.plots import make_sweeps
+    from roundalign.analysis.plots import make_sweeps
 
     a, b = tmp_path / "a", tmp_path / "b"
     serial = make_sweeps([(agg_dir, tmp_path / "s")], formats=("png", "pdf"), log=lambda _: None)
@@ -407,7 +407,7 @@ def test_grid_figures_keep_every_label_inside_the_figure_and_off_the_other_panel
 
 
 def test_learning_gain_and_its_interval_over_seeds_and_steps():
-    from roundalign.plots.summary import learning
+    from roundalign.analysis.plots.summary import learning
 
     # constant windows: only the seeds vary, so the resampled gains are the means of 2 picks from {0.3, 0.2}
     runs = [(np.full(10, 0.2), np.full(10, 0.5)), (np.full(10, 0.4), np.full(10, 0.6))]
@@ -425,7 +425,7 @@ def test_learning_gain_and_its_interval_over_seeds_and_steps():
 
 
 def test_attention_figure_pairs_the_arms_of_one_policy():
-    from roundalign.plots.fig_attn import arm_table, plot_attn
+    from roundalign.analysis.plots.fig_attn import arm_table, plot_attn
 
     rows, status = [], []
     # policy p trained twice: as model p (sdpa) and as model p.vllm_cpu (the engine's attention); k3 per step

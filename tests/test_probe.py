@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from roundalign.cli import main
-from roundalign.tiny import make_tiny
+from roundalign.models.tiny import make_tiny
 
 torch.set_num_threads(1)
 
@@ -82,7 +82,7 @@ def test_bad_input_fails_before_loading(tiny_models, tmp_path, capsys):
 def test_existing_output_survives_a_failed_run(tiny_models, tmp_path, monkeypatch):
     out = tmp_path / "keep.csv"
     out.write_text("old,complete\n")
-    import roundalign.probe as probe_mod
+    import roundalign.probes.probe as probe_mod
 
     def boom(*a, **k):
         raise RuntimeError("simulated crash during the variants")

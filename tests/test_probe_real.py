@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from roundalign.cli import main
-from roundalign.tiny import make_tiny
+from roundalign.models.tiny import make_tiny
 from test_vllm_guard import fake_llm
 
 CALLS = {}
@@ -19,7 +19,7 @@ CALLS = {}
 
 def fake_vllm_module(report_eager=None):
     from roundalign.engine import Engine
-    from roundalign.models import load_model
+    from roundalign.models.load import load_model
 
     mod = types.ModuleType("vllm")
 

@@ -32,8 +32,8 @@ import pytest
 import yaml
 
 from roundalign.envinfo import cpu_kernels, kernel_selection
-from roundalign.plots._common import load_table
-from roundalign.train import TIMING_KEYS
+from roundalign.analysis.plots._common import load_table
+from roundalign.training.train import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

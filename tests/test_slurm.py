@@ -6,7 +6,7 @@ of the same config gives the reference; meanwhile
   - the `full` training job is preempted (`scontrol requeue`) once it has a checkpoint,
   - the training command of `rope` is killed (SIGKILL, a crash) once it has a checkpoint,
   - the training command of `baseline` is killed (SIGKILL) in the middle of saving checkpoint-8, after its
-    optimizer file (``ROUNDALIGN_FAULT_INJECT``, roundalign.checkpoints), so its retry finds it incomplete,
+    optimizer file (``ROUNDALIGN_FAULT_INJECT``, roundalign.training.checkpoints), so its retry finds it incomplete,
   - a second, minimal workflow through the same profile has a job over its 1-minute time limit and a job
     whose command always fails (after writing a checkpoint outside its outputs), with later jobs behind.
 The tests below check the outcome of that one module-scoped run. Without a cluster they skip, naming
@@ -27,8 +27,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from roundalign.checkpoints import MARKER
-from roundalign.train import TIMING_KEYS
+from roundalign.training.checkpoints import MARKER
+from roundalign.training.train import TIMING_KEYS
 
 pytestmark = pytest.mark.slurm
 

@@ -1,6 +1,6 @@
 """The package's import graph has no circle: every module-level and function-level import between roundalign's
-modules, read from the source (``from . import x`` counts as an import of ``x``, not of the package it sits in,
-whose ``__init__`` runs first either way). probe.py and probe_gpu.py used to import each other."""
+modules, read from the source (``from pkg import mod`` counts as an import of ``pkg.mod``, not of the package it
+sits in, whose ``__init__`` runs first either way), and the role packages import only downwards. probe.py and probe_gpu.py used to import each other."""
 
 import ast
 from pathlib import Path
@@ -25,7 +25,8 @@ def import_graph() -> dict[str, set[str]]:
                     target = ".".join(base + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
-                names = ([target] if node.module else []) + [f"{target}.{a.name}" for a in node.names]
+                # ``from pkg import mod`` imports pkg.mod; ``from pkg import name`` imports pkg
+                names = [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:
@@ -67,9 +68,48 @@ def _cycles(graph):
 
 def test_no_import_circle():
     graph = import_graph()
-    assert "roundalign.probe_real" in graph and "roundalign.probe" in graph["roundalign.probe_real"]
+    assert "roundalign.probes.probe_real" in graph and "roundalign.probes.probe" in graph["roundalign.probes.probe_real"]
     assert _cycles(graph) == []
 
 
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The role packages, lowest first: a role may import only roles on a lower floor (and itself). Shared utilities
+# are the ground floor; the command line sits on top. docs/layout.md walks through the same floors.
+FLOORS = {
+    "io": 0, "envinfo": 0, "gpuinfo": 0, "metrics": 0, "tasks": 0,
+    "numerics": 1,
+    "roundalign": 2, "bridge": 2,
+    "engine": 3,
+    "models": 4,
+    "training": 5, "probes": 5,
+    "analysis": 6, "verify": 6,
+    "cli": 7,
+    "__main__": 8,
+}
+
+
+def _role(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def test_roles_import_only_downwards():
+    graph = import_graph()
+    roles = {_role(m) for m in graph}
+    assert roles == set(FLOORS), f"a module outside the known roles: {sorted(roles ^ set(FLOORS))}"
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if _role(a) != _role(b) and FLOORS[_role(b)] >= FLOORS[_role(a)]
+    )
+    assert upward == [], "imports that point up or sideways across roles:\n" + "\n".join(upward)
+
+
+def test_the_floor_check_sees_an_upward_import():
+    # numerics importing training would be an upward import; the check must name it
+    graph = {"roundalign.numerics.patch": {"roundalign.training.train"}, "roundalign.training.train": set()}
+    assert [f"{a} -> {b}" for a, t in graph.items() for b in t if FLOORS[_role(b)] >= FLOORS[_role(a)]]

@@ -1,4 +1,4 @@
-"""Tiny Qwen2/Qwen3 builder (roundalign.tiny) and offline loaders (roundalign.models)."""
+"""Tiny Qwen2/Qwen3 builder (roundalign.models.tiny) and offline loaders (roundalign.models.load)."""
 
 import json
 import math
@@ -8,9 +8,9 @@ import torch
 
 torch.set_num_threads(1)
 
-from roundalign import tiny  # noqa: E402
-from roundalign.models import load_model, load_tokenizer, resolve_model_path  # noqa: E402
-from roundalign.tiny import ARCHS, make_tiny  # noqa: E402
+from roundalign.models import tiny  # noqa: E402
+from roundalign.models.load import load_model, load_tokenizer, resolve_model_path  # noqa: E402
+from roundalign.models.tiny import ARCHS, make_tiny  # noqa: E402
 
 PROMPT = "What is 12+7? 19"
 

@@ -107,11 +107,11 @@ def test_trls_torch_compile_path_trains_the_aligned_policy_compiled(tmp_path, mo
     # emulate_precision_casts. Step 1 starts from identical weights and rollouts, so its loss (a function of the
     # compiled forward) equals the eager run's exactly; its gradient comes from Inductor's backward (close, not
     # equal), and later steps drift apart by that.
-    from roundalign import train as train_mod
-    from roundalign.config import build_config
-    from roundalign.pretrain import pretrain_tiny
-    from roundalign.tiny import make_tiny
-    from roundalign.train import run_train
+    from roundalign.training import train as train_mod
+    from roundalign.training.config import build_config
+    from roundalign.models.pretrain import pretrain_tiny
+    from roundalign.models.tiny import make_tiny
+    from roundalign.training.train import run_train
 
     # warm-started, so that rewards vary within a group and the loss is not zero
     model = pretrain_tiny(make_tiny("qwen2", tmp_path / "tiny", hidden=64, layers=2, seed=0), tmp_path / "sft",

@@ -15,10 +15,10 @@ import torch
 from transformers import TrainerCallback
 
 from roundalign.cli import main
-from roundalign.config import ConfigError, build_config
-from roundalign.pretrain import pretrain_tiny
-from roundalign.tiny import make_tiny
-from roundalign.train import TIMING_KEYS, run_train
+from roundalign.training.config import ConfigError, build_config
+from roundalign.models.pretrain import pretrain_tiny
+from roundalign.models.tiny import make_tiny
+from roundalign.training.train import TIMING_KEYS, run_train
 
 torch.set_num_threads(1)
 QUIET = dict(log=lambda *_: None)
@@ -251,7 +251,7 @@ def test_a_finished_run_is_not_taken_as_done_for_a_rebuilt_model_at_the_same_pat
 
 
 def test_grpo_config_carries_our_settings(tmp_path):
-    from roundalign.train import build_grpo_args
+    from roundalign.training.train import build_grpo_args
 
     base = {"model": "m", "report_to": "tensorboard,wandb", "steps": 7, **FAST}
     args = build_grpo_args(build_config(overrides=base), tmp_path)
@@ -314,7 +314,7 @@ def test_fp32_master_weights_train_at_a_paper_learning_rate(sft_model, tmp_path,
     # rounded to bf16 after every step.
     from transformers import AutoModelForCausalLM
 
-    from roundalign.trl_bridge import EngineSync
+    from roundalign.training.trl_bridge import EngineSync
 
     synced = []
     original = EngineSync.sync_weights
@@ -367,7 +367,7 @@ def test_variable_length_prompts_stay_on_policy_with_positions_from_the_mask(sft
     # TRL left-pads prompts of different token lengths; the engine (like vLLM) runs each from position 0.
     # With positions from the attention mask `full` stays bitwise-logit-equal to the engine; with transformers'
     # default arange positions the padded sequences sit at shifted RoPE positions and `full` drifts off policy.
-    from roundalign.trl_bridge import RoundalignGRPOTrainer
+    from roundalign.training.trl_bridge import RoundalignGRPOTrainer
 
     monkeypatch.setattr(RoundalignGRPOTrainer, "_position_fix", position_fix)
     kw = dict(steps=3, prompt_style="variable")
@@ -395,7 +395,7 @@ DS_ZERO_KEYS = {"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_
 def test_zero3_computes_in_16_bit_with_fp32_masters(tmp_path, variant, bf16, fp16):
     # DeepSpeed is not installed on CPU: check the config against its key names and that our GRPO arguments
     # fill its "auto" precision keys (16-bit model, so ZeRO-3 keeps fp32 master partitions)
-    from roundalign.train import build_grpo_args
+    from roundalign.training.train import build_grpo_args
 
     ds = json.loads((Path(__file__).parents[1] / "configs/accelerate/zero3.json").read_text())
     assert set(ds) <= DS_TOP_KEYS and set(ds["zero_optimization"]) <= DS_ZERO_KEYS
@@ -406,7 +406,7 @@ def test_zero3_computes_in_16_bit_with_fp32_masters(tmp_path, variant, bf16, fp1
     assert (args.bf16, args.fp16) == (bf16, fp16)
     single = build_grpo_args(build_config(overrides={"model": "m", "variant": variant, **FAST}), tmp_path,
                              deepspeed=False)
-    assert (single.bf16, single.fp16) == (False, False)  # one process: no autocast, roundalign.optim's masters
+    assert (single.bf16, single.fp16) == (False, False)  # one process: no autocast, roundalign.training.optim's masters
 
 
 def test_a_process_started_alone_takes_a_free_master_port(monkeypatch):

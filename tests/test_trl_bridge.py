@@ -1,5 +1,5 @@
 """Guards on the TRL internals roundalign bridges to (trl==1.16.0). A failure here means TRL changed a
-private surface: re-read the named TRL code and port roundalign/trl_bridge.py before updating the pin."""
+private surface: re-read the named TRL code and port roundalign/training/trl_bridge.py before updating the pin."""
 
 import inspect
 
@@ -8,7 +8,7 @@ from trl import GRPOTrainer
 from trl.generation import vllm_generation
 from trl.trainer import utils as trl_utils
 
-from roundalign.trl_bridge import TRL_RENAMES, _is_stats
+from roundalign.training.trl_bridge import TRL_RENAMES, _is_stats
 
 
 def src(obj) -> str:

@@ -83,7 +83,7 @@ def test_vllm_pin_is_accepted_by_trl():
 
 
 def test_accelerate_configs_parse_without_mixed_precision():
-    # the policy holds bf16 weights itself; autocast would move rounding points (roundalign/train.py)
+    # the policy holds bf16 weights itself; autocast would move rounding points (roundalign/training/train.py)
     from accelerate.commands.config.config_args import ClusterConfig
 
     names = sorted(p.name for p in (ROOT / "configs/accelerate").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""roundalign.vllm_flash (attn=vllm_flash) on CPU, against a stand-in for vLLM 0.31.0's ``vllm.vllm_flash_attn``.
+"""roundalign.bridge.vllm_flash (attn=vllm_flash) on CPU, against a stand-in for vLLM 0.31.0's ``vllm.vllm_flash_attn``.
 
 This environment has no vLLM, let alone its CUDA build, and no GPU, so the kernel itself cannot run here. What is
 checked is everything around it: the stand-in's ``flash_attn_varlen_func`` and ``get_scheduler_metadata`` have
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from roundalign import vllm_flash
+from roundalign.bridge import vllm_flash
 
 torch.set_num_threads(1)
 
@@ -415,8 +415,8 @@ def test_register_sets_num_splits_and_no_grad_scoring_takes_a_sliding_window(sta
 
 
 def test_a_model_trains_through_the_bridge_and_load_model_switches_to_it(stand_in, tmp_path):
-    from roundalign.models import load_model
-    from roundalign.tiny import random_qwen
+    from roundalign.models.load import load_model
+    from roundalign.models.tiny import random_qwen
 
     vllm_flash.register()
     model = random_qwen("qwen2", tie=False, layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, seed=5)
@@ -529,8 +529,8 @@ def _tiny_model_dir(tmp_path, hidden=128, heads=4):
 
 
 def test_preflight_refuses_vllm_flash_before_anything_loads(tmp_path, monkeypatch):
-    from roundalign.config import TrainConfig
-    from roundalign.train import preflight
+    from roundalign.training.config import TrainConfig
+    from roundalign.training.train import preflight
 
     model = _tiny_model_dir(tmp_path)
 
@@ -557,9 +557,9 @@ def test_preflight_refuses_vllm_flash_before_anything_loads(tmp_path, monkeypatc
 
 
 def test_the_emulated_engine_refuses_vllm_flash():
-    from roundalign.config import ConfigError, TrainConfig
+    from roundalign.training.config import ConfigError, TrainConfig
     from roundalign.engine import Engine
-    from roundalign.tiny import random_qwen
+    from roundalign.models.tiny import random_qwen
 
     model = random_qwen("qwen2", layers=1, hidden=64, heads=2, kv_heads=1, vocab=64, seed=0)
     with pytest.raises(ValueError, match="unknown attention implementation 'vllm_flash'.*eager, sdpa, vllm_cpu"):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from roundalign import vllm_guard as G
+from roundalign.bridge import vllm_guard as G
 
 
 class CompilationMode(enum.IntEnum):  # vllm/config/compilation.py:37-51

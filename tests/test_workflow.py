@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from roundalign.config import TrainConfig
+from roundalign.training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -157,14 +157,14 @@ def test_smoke_sweep_for_one_tiny_model_end_to_end_with_a_preempted_job(wf):
 
 
 def test_report_captions_are_the_plot_captions():
-    # workflow/report/<stem>.rst feed `snakemake --report`; they are CAPTIONS from roundalign.plots, wrapped
+    # workflow/report/<stem>.rst feed `snakemake --report`; they are CAPTIONS from roundalign.analysis.plots, wrapped
     import textwrap
 
-    from roundalign.plots import CAPTIONS
+    from roundalign.analysis.plots import CAPTIONS
 
     for stem, caption in CAPTIONS.items():
         assert (ROOT / f"workflow/report/{stem}.rst").read_text() == textwrap.fill(caption, 110) + "\n", stem
-    from roundalign.plots.stress import CAPTIONS as STRESS_CAPTIONS
+    from roundalign.analysis.plots.stress import CAPTIONS as STRESS_CAPTIONS
 
     for stem, caption in STRESS_CAPTIONS.items():
         assert (ROOT / f"workflow/report/{stem}.rst").read_text() == caption + "\n", stem
@@ -254,7 +254,7 @@ def test_a_missing_job_interpreter_stops_the_sweep_before_any_job(wf):
     assert "make vllm-env" in res.stdout + res.stderr
     assert not (wf / "work").exists() and not (wf / "results").exists()  # no job ran
     # an interpreter that exists passes the same check
-    from roundalign.sweep import Sweep
+    from roundalign.training.sweep import Sweep
     from snakemake.utils import validate
 
     cfg = yaml.safe_load((wf / "configs/smoke.yaml").read_text()) | {"python": sys.executable}

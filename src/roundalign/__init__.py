@@ -10,10 +10,10 @@ __all__ = ["apply_alignment", "alignment_of", "ENGINES", "VARIANTS", "__version_
 
 
 def __getattr__(name):
-    # Lazy (PEP 562): ``import roundalign.sweep`` (what the Snakefile does on every invocation) must not pay for
+    # Lazy (PEP 562): ``import roundalign.training.sweep`` (what the Snakefile does on every invocation) must not pay for
     # torch + transformers, which ``numerics.patch`` imports; a dry run of the paper sweep took 8-10 s with them.
     if name in ("apply_alignment", "alignment_of", "ENGINES", "VARIANTS"):
-        from . import numerics
+        from roundalign import numerics
 
         return getattr(numerics, name)
     raise AttributeError(f"module 'roundalign' has no attribute {name!r}")

@@ -26,7 +26,7 @@ def _setup_runtime() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .envinfo import torch_threads
+    from roundalign.envinfo import torch_threads
 
     torch.set_num_threads(torch_threads())
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown our own progress lines
@@ -64,7 +64,7 @@ def _add_figure_verbs(sub) -> None:
 
 
 # Verbs that only read tables and draw. They get a parser of their own: make_parser() names the choices of every
-# verb, and roundalign.tiny (ARCHS) imports torch, ~3 s of each figure process on 2 cores.
+# verb, and roundalign.models.tiny (ARCHS) imports torch, ~3 s of each figure process on 2 cores.
 FIGURE_VERBS = ("plot", "plot-stress")
 
 
@@ -75,10 +75,10 @@ def make_figure_parser() -> argparse.ArgumentParser:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from .engine import ATTN_IMPLS, ENGINE_GEMMS
-    from .engine.choices import ENGINE_ATTN_IMPLS
-    from .numerics import ENGINES, VARIANTS
-    from .tiny import ARCHS
+    from roundalign.engine import ATTN_IMPLS, ENGINE_GEMMS
+    from roundalign.engine.choices import ENGINE_ATTN_IMPLS
+    from roundalign.numerics import ENGINES, VARIANTS
+    from roundalign.models.tiny import ARCHS
 
     p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,14 +135,14 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--gpu-memory-utilization", type=float, default=0.45,
                     help="fraction of GPU memory vLLM may take while it samples (vllm backend; default 0.45)")
 
-    from .config import BACKENDS, TASKS, TRAIN_VARIANTS
+    from roundalign.training.config import BACKENDS, TASKS, TRAIN_VARIANTS
 
     tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)")
     tr.add_argument("--model", help="model directory or hub id (required: here or as `model:` in --config)")
     tr.add_argument("--variant", help=f"one of {', '.join(TRAIN_VARIANTS)} (default full)")
     tr.add_argument("--seed", type=int, help="seed (default 0)")
     tr.add_argument("--out", required=True, help="run directory: metrics.jsonl, run.json, checkpoints/")
-    tr.add_argument("--config", help="YAML file of TrainConfig keys (see roundalign.config.TrainConfig)")
+    tr.add_argument("--config", help="YAML file of TrainConfig keys (see roundalign.training.config.TrainConfig)")
     tr.add_argument("--backend", help=f"{', '.join(BACKENDS)} (default emulated)")
     tr.add_argument("--engine", help=f"engine rounding / vLLM mode: {', '.join(ENGINES)} (default vllm-compiled)")
     tr.add_argument("--attn", help=f"attention on both sides: {', '.join(ATTN_IMPLS)} (default eager)")
@@ -199,19 +199,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def run_fetch_model(args) -> None:
-    from .fetch import fetch_model
+    from roundalign.models.fetch import fetch_model
 
     fetch_model(args.hub_id, args.out, revision=args.revision)
 
 
 def run_prepare_data(args) -> None:
-    from .fetch import prepare_math_data
+    from roundalign.models.fetch import prepare_math_data
 
     prepare_math_data(args.dataset, args.split, args.out)
 
 
 def run_make_tiny(args) -> None:
-    from .tiny import make_tiny
+    from roundalign.models.tiny import make_tiny
 
     out = make_tiny(args.arch, args.out, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab, tie=args.tie,
@@ -220,7 +220,7 @@ def run_make_tiny(args) -> None:
 
 
 def run_probe_cli(args) -> None:
-    from .probe import ProbeConfig, run_probe
+    from roundalign.probes.probe import ProbeConfig, run_probe
 
     cfg = ProbeConfig(model=args.model, engine=args.engine, attn=args.attn, engine_gemm=args.engine_gemm,
                       variants=args.variants, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
@@ -229,14 +229,14 @@ def run_probe_cli(args) -> None:
                       kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, trainer_attn=args.trainer_attn)
     _setup_runtime()
     if args.backend == "vllm":
-        from .numerics.plan import CPU_ENGINES
-        from .probe_real import run_probe_real
+        from roundalign.numerics.plan import CPU_ENGINES
+        from roundalign.probes.probe_real import run_probe_real
 
         if cfg.engine in CPU_ENGINES:
             # vLLM's CPU build in this process: its model (hooks, GEMM dispatch) is then readable; a 1 GiB KV
             # cache is plenty for probe-sized requests and changes no numerics
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            from .vllm_cpu import small_kv_cache
+            from roundalign.bridge.vllm_cpu import small_kv_cache
 
             small_kv_cache()
 
@@ -246,25 +246,25 @@ def run_probe_cli(args) -> None:
 
 
 def run_train_cli(args) -> int:
-    from .config import build_config, parse_set
-    from .train import run_train
+    from roundalign.training.config import build_config, parse_set
+    from roundalign.training.train import run_train
 
     flags = {k: getattr(args, k) for k in ("model", "variant", "seed", "backend", "engine", "attn", "task", "steps")
              if getattr(args, k) is not None}
     cfg = build_config(file=args.config, overrides={**flags, **parse_set(args.overrides)})
     _setup_runtime()
-    from .distributed import rank_log
+    from roundalign.training.distributed import rank_log
 
     result = run_train(cfg, args.out, log=rank_log())  # under accelerate launch: lines say which rank printed them
     if args.export and result.status in ("done", "collapsed"):
-        from .train import export_run
+        from roundalign.training.train import export_run
 
         export_run(result.out_dir, args.export)
     return result.exit_code
 
 
 def run_pretrain_tiny(args) -> None:
-    from .pretrain import pretrain_tiny
+    from roundalign.models.pretrain import pretrain_tiny
 
     _setup_runtime()
     pretrain_tiny(args.model, args.out, steps=args.steps, learning_rate=args.lr, batch_size=args.batch_size,
@@ -274,24 +274,24 @@ def run_pretrain_tiny(args) -> None:
 
 
 def run_aggregate(args) -> None:
-    from .aggregate import aggregate
+    from roundalign.analysis.aggregate import aggregate
 
     aggregate(args.results, args.out, strict=args.strict, sweep=args.sweep, metrics=args.metrics)
     if args.stress_dose_key:
-        from .stress import write_stress_tables
+        from roundalign.analysis.stress import write_stress_tables
 
         write_stress_tables(args.results, args.out, args.stress_dose_key, floor=args.stress_floor,
                             gap_metric=args.stress_gap_metric, sweep=args.sweep)
 
 
 def run_plot_stress(args) -> None:
-    from .plots.stress import make
+    from roundalign.analysis.plots.stress import make
 
     make(args.aggregate, args.out, tuple(f for f in args.formats.split(",") if f))
 
 
 def run_plot(args) -> None:
-    from .plots import make_sweeps
+    from roundalign.analysis.plots import make_sweeps
 
     if len(args.aggregate) != len(args.out):
         raise ValueError(f"{len(args.aggregate)} --aggregate directories but {len(args.out)} --out directories: "

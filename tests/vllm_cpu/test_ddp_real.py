@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from roundalign.pretrain import pretrain_tiny
-from roundalign.tiny import make_tiny
+from roundalign.models.pretrain import pretrain_tiny
+from roundalign.models.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -45,12 +45,12 @@ def _free_port() -> int:
 
 
 def _launcher() -> list[str]:
-    """The sweep's own launcher for a CPU model with ``processes: 2`` (roundalign.sweep.Sweep.launcher), as the train
+    """The sweep's own launcher for a CPU model with ``processes: 2`` (roundalign.training.sweep.Sweep.launcher), as the train
     rule runs it."""
     import yaml
     from snakemake.utils import validate
 
-    from roundalign.sweep import Sweep
+    from roundalign.training.sweep import Sweep
 
     cfg = yaml.safe_load((ROOT / "configs/vllm-cpu.yaml").read_text())
     cfg["python"] = sys.executable
@@ -78,10 +78,10 @@ def _sets(**extra) -> list[str]:
 def test_two_ranks_each_keep_their_colocated_engine_synced_and_log_the_same_metrics(sft_model, tmp_path):
     import torch
 
-    from roundalign.sync_check import compare_ranks
+    from roundalign.verify.sync_check import compare_ranks
 
     out = tmp_path / "ddp"
-    proc = _launch(["roundalign.sync_check", "--out", str(out),
+    proc = _launch(["roundalign.verify.sync_check", "--out", str(out),
                     *_sets(model=sft_model, steps=3, learning_rate=2e-2, checkpoint_every=100)], out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from roundalign import vllm_cpu
-from roundalign.config import build_config
-from roundalign.pretrain import pretrain_tiny
-from roundalign.tiny import make_tiny
-from roundalign.train import TIMING_KEYS, run_train
+from roundalign.bridge import vllm_cpu
+from roundalign.training.config import build_config
+from roundalign.models.pretrain import pretrain_tiny
+from roundalign.models.tiny import make_tiny
+from roundalign.training.train import TIMING_KEYS, run_train
 
 QUIET = dict(log=lambda *_: None)
 # 2 prompts x 4 completions a step; head_dim 32 (vLLM-CPU's attention has no 16)
@@ -50,7 +50,7 @@ def sft_model(tmp_path_factory):
 
 @pytest.mark.parametrize("engine", ["vllm-cpu-eager"])
 def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tmp_path, engine):
-    from roundalign.sync_check import compare_with_fresh_engines, train_with_sync_probe
+    from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_sync_probe
 
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 23, 40)]

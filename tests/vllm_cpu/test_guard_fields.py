@@ -1,6 +1,6 @@
 """The vLLM 0.31.0 classes still have every field the guard reads (run where vLLM is installed: its CPU build)."""
 
-from roundalign import vllm_guard as G
+from roundalign.bridge import vllm_guard as G
 
 
 def test_real_vllm_classes_have_the_fields_the_guard_reads():

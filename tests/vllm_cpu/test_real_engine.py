@@ -3,7 +3,7 @@
 Reference: the engine's own teacher-forced ``prompt_logprobs`` (one prefill per request, one request per call,
 stock engine settings but ``enforce_eager`` for the eager mode), nothing of ours. The trainer is the Hugging Face
 model with ``apply_alignment(m, variant, engine="vllm-cpu-<mode>")`` and, where named, vLLM's CPU attention
-kernel as its attention (``roundalign.vllm_cpu``), so that the only difference left is where rounding happens.
+kernel as its attention (``roundalign.bridge.vllm_cpu``), so that the only difference left is where rounding happens.
 
 Models: random Qwen2 (q/k/v biases) and Qwen3 (q/k norms), tied and untied, 2-4 layers, head_dim 32 and 64 (the
 CPU attention kernel refuses 16, our default tiny size), lognormal norm weights; sequences of 3 to 200 tokens
@@ -19,10 +19,14 @@ import tempfile
 import pytest
 import torch
 
-from roundalign import apply_alignment, vllm_cpu, vllm_guard
+from roundalign import apply_alignment
+
+from roundalign.bridge import vllm_cpu
+
+from roundalign.bridge import vllm_guard
 from roundalign.envinfo import cpu_kernels
 from roundalign.numerics.plan import CPU_ENGINES, cpu_kernel_build
-from roundalign.tiny import random_qwen
+from roundalign.models.tiny import random_qwen
 
 torch.set_num_threads(1)
 
@@ -146,7 +150,7 @@ def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, 
     RMSNorm reduction equals the real engine on every token; the same emulation with the trainer's reduction
     equals the trainer on every token. So the difference is the order in which Inductor sums x^2 in each fused
     norm kernel of the whole graph (its code uses 1 or 2 vectors of 16 or 8 lanes depending on the kernel:
-    roundalign.inductor_code), not where rounding happens; and the trainer with the orders read from the engine's
+    roundalign.bridge.inductor_code), not where rounding happens; and the trainer with the orders read from the engine's
     code equals the real engine on every token."""
     from vllm import LLM, SamplingParams
 
@@ -391,7 +395,7 @@ def _schema_in_shipped_builds(qualified: str) -> tuple[str, "torch.FunctionSchem
 
 
 def test_the_parser_knows_which_engine_ops_write_an_argument():
-    """``roundalign.inductor_code.MUTATED_ARGS`` (the ops of the engine's graph that write into an argument, which
+    """``roundalign.bridge.inductor_code.MUTATED_ARGS`` (the ops of the engine's graph that write into an argument, which
     the code text does not say) equals the written arguments of the vLLM 0.31.0 schemas. Where oneDNN is
     supported, the engine's GEMM is ``_C::onednn_mm(Tensor! c, ...)`` into a reused buffer: read as an input, its
     output passed for the dead value the buffer held before (a false bf16 kernel-to-kernel store).
@@ -402,7 +406,7 @@ def test_the_parser_knows_which_engine_ops_write_an_argument():
     import vllm._custom_ops  # noqa: F401  (registers the _C ops)
     from vllm.model_executor.layers.attention import attention  # noqa: F401  (registers vllm::unified_attention*)
 
-    from roundalign.inductor_code import MUTATED_ARGS
+    from roundalign.bridge.inductor_code import MUTATED_ARGS
 
     live = 0
     for fn, positions in MUTATED_ARGS.items():
@@ -425,7 +429,7 @@ def test_compiled_map_is_the_real_engines_inductor_output_code(engines):
     residual stream is never stored rounded), no fused kernel rounds to bf16 and back inside itself (the norm's
     weight multiply and the residual copy stay fp32), and what is stored in bf16 feeds only GEMMs, attention and
     its KV-cache write, and the LM head."""
-    from roundalign.inductor_code import engine_store_dtypes, find_output_code
+    from roundalign.bridge.inductor_code import engine_store_dtypes, find_output_code
 
     for name in MODELS:
         engines.get(name, "compiled")

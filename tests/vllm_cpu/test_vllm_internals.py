@@ -1,4 +1,4 @@
-"""Every private vLLM path roundalign reaches (roundalign.vllm_internals) resolves on a real built engine of the
+"""Every private vLLM path roundalign reaches (roundalign.bridge.vllm_internals) resolves on a real built engine of the
 pinned vLLM 0.31.0 (its CPU build), and the module is the only place in the package that spells them."""
 
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from roundalign import vllm_internals as VI
-from roundalign.tiny import random_qwen
+from roundalign.bridge import vllm_internals as VI
+from roundalign.models.tiny import random_qwen
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "roundalign"
 

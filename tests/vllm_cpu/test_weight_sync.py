@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from roundalign import vllm_cpu
-from roundalign.tiny import random_qwen
+from roundalign.bridge import vllm_cpu
+from roundalign.models.tiny import random_qwen
 
 VOCAB = 256
 

@@ -1,7 +1,7 @@
-# Shared helpers: the validated sweep (roundalign.sweep.Sweep does the cross-field checks, so a malformed
+# Shared helpers: the validated sweep (roundalign.training.sweep.Sweep does the cross-field checks, so a malformed
 # config fails here, naming the key, before any job starts) and the target lists of every rule.
-from roundalign.config import ConfigError
-from roundalign.sweep import Sweep
+from roundalign.training.config import ConfigError
+from roundalign.training.sweep import Sweep
 
 try:
     SWEEP = Sweep(config)

@@ -3,7 +3,7 @@
 Knows token ids and dtypes, not datasets or tokenizers. See ``model.py`` for what is emulated.
 """
 
-from .choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
+from roundalign.engine.choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
 
 _LAZY = {"Engine": "generate", "NonFiniteLogitsError": "generate", "Sample": "generate", "EngineModel": "model",
          "KVCache": "model"}

@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..numerics import regions as R
-from ..numerics import vllm_native as V
+from roundalign.numerics import regions as R
+from roundalign.numerics import vllm_native as V
 
 REGION_SETS = {
     "full": frozenset({"rope", "swiglu", "norm"}),
@@ -57,7 +57,7 @@ REGION_SETS = {
     "norm": frozenset({"norm"}),
     "baseline": frozenset(),
 }
-from .choices import NORM_REDUCTIONS  # noqa: E402  (re-exported)
+from roundalign.engine.choices import NORM_REDUCTIONS  # noqa: E402  (re-exported)
 
 # ----------------------------------------------------------------------------------------------
 # Opaque ops. Each runs an eager kernel; Inductor sees a call it cannot look into.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .model import EngineModel, KVCache
+from roundalign.engine.model import EngineModel, KVCache
 
 
 @dataclass

@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..numerics import regions, vllm_native
-from ..numerics.patch import decoder_trunk
-from ..numerics.plan import RoundingPlan, engine_plan, plan_for
-from . import compiled
+from roundalign.numerics import regions, vllm_native
+from roundalign.numerics.patch import decoder_trunk
+from roundalign.numerics.plan import RoundingPlan, engine_plan, plan_for
+from roundalign.engine import compiled
 
-from .choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402, F401  (re-exported)
+from roundalign.engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402, F401  (re-exported)
 SOFTMAX_MIN_COLS = 64
 ATTN_MIN_ROWS = 16
 
@@ -243,8 +243,8 @@ class EngineModel:
         # a decode step is one new token per sequence against a non-empty cache; prefill keeps ``attn``
         impl = self.attn_decode if q.shape[2] == 1 and k.shape[2] > 1 else self.attn
         if impl == "vllm_cpu":
-            # vLLM's own CPU kernel, one request per sequence (roundalign.vllm_cpu), on the un-repeated K/V heads
-            from .. import vllm_cpu
+            # vLLM's own CPU kernel, one request per sequence (roundalign.bridge.vllm_cpu), on the un-repeated K/V heads
+            from roundalign.bridge import vllm_cpu
 
             k, v = k[:, ::rep], v[:, ::rep]
             out = torch.stack([vllm_cpu.attend_one(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),

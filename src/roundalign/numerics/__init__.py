@@ -1,13 +1,13 @@
 """Rounding-location numerics: the regions (``regions``), where each stack rounds (``plan``), and the
 per-instance alignment of Hugging Face Qwen models (``patch``)."""
 
-from .plan import ENGINES, VARIANTS, RoundingPlan, engine_plan, plan_for
+from roundalign.numerics.plan import ENGINES, VARIANTS, RoundingPlan, engine_plan, plan_for
 
 
 def __getattr__(name):
     # lazy: ``patch`` imports transformers (seconds); ``plan`` (ENGINES, VARIANTS) is light
     if name in ("SUPPORTED_MODEL_CLASSES", "alignment_of", "apply_alignment"):
-        from . import patch
+        from roundalign.numerics import patch
 
         return getattr(patch, name)
     raise AttributeError(f"module 'roundalign.numerics' has no attribute {name!r}")

@@ -26,7 +26,7 @@ FSDP's ``transformer_layer_cls_to_wrap`` and ``_no_split_modules`` still finds t
 classes are never modified, so two models in one process keep their own numerics, and
 ``apply_alignment(model, "baseline")`` switches the instances back. Aligned models pickle
 (``torch.save(model)``) and load back where roundalign is importable; the alignment is recorded in
-``model.config.roundalign`` so ``save_pretrained`` keeps it (``roundalign.models.load_model`` re-applies it;
+``model.config.roundalign`` so ``save_pretrained`` keeps it (``roundalign.models.load.load_model`` re-applies it;
 a plain ``from_pretrained`` gives stock numerics and warns nothing: see README).
 
 What a user sees keeps the model dtype: a decoder layer returns the bf16 residual stream (the stored
@@ -73,8 +73,8 @@ import sys
 import torch
 from torch import nn
 
-from . import regions
-from .plan import RoundingPlan, check_engine, check_variant, plan_for
+from roundalign.numerics import regions
+from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, plan_for
 
 SUPPORTED_MODEL_CLASSES = tuple(f"Qwen{v}{head}" for v in ("2", "3") for head in (
     "ForCausalLM", "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"))
@@ -400,7 +400,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             bf16/fp16 model, else ``eager``.
         norm_sum_orders: ``vllm-cpu-compiled`` with ``norm``/``full`` only: per RMSNorm (``norm_modules`` order),
             the ``(vec, n)`` order in which the engine's fused kernel sums the squares, as read from the engine's
-            own Inductor code (``roundalign.vllm_cpu.engine_norm_sum_orders(llm)``). Inductor picks it per kernel
+            own Inductor code (``roundalign.bridge.vllm_cpu.engine_norm_sum_orders(llm)``). Inductor picks it per kernel
             from what the kernel fuses (16 or 32 lanes on AVX-512), so a norm compiled alone can sum in another
             order and miss tokens; with these orders the norms reduce as the engine's kernels do, in both kernel
             modes (``regions.sum_sq_in_order``). None: each norm reduces as its own kernel does.

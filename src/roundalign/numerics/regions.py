@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .plan import KERNEL_MODES  # "eager", "compiled": defined once, in the torch-free plan module
+from roundalign.numerics.plan import KERNEL_MODES  # "eager", "compiled": defined once, in the torch-free plan module
 
 __all__ = [
     "rope_hf",

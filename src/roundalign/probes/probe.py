@@ -1,0 +1,248 @@
+"""Offline mismatch probe at identical weights.
+
+The emulated engine samples completions from a bf16 model; each trainer variant then recomputes the
+logprobs of exactly those tokens with one full-sequence forward (as TRL does), and we compare:
+
+- ``<out>.csv``: tidy table ``model,engine,variant,level,metric,value`` (metrics of
+  ``roundalign.metrics``, token and sequence level);
+- ``<out stem>_layers.csv``: ``model,engine,variant,layer,metric,value`` with the RMS relative error
+  of the hidden state (residual stream) after each decoder layer, trainer variant vs engine, over the
+  positions whose outputs produced the sampled tokens;
+- ``<out stem>.json``: the probe's settings and library versions.
+
+Both sides use the same weights, the same tokens and the same sampler arithmetic (fp32
+``log_softmax(logits.float() / T)``), so every difference comes from where the two forwards round and
+from the kernels (``--attn``, ``--engine-gemm``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from roundalign import metrics as M
+from roundalign.engine import ENGINE_GEMMS, Engine
+from roundalign.engine.model import check_choice
+from roundalign.engine.choices import ENGINE_ATTN_IMPLS, KV_CACHE_DTYPES, NORM_REDUCTIONS
+from roundalign.envinfo import environment_info
+from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
+from roundalign.numerics import apply_alignment
+from roundalign.numerics.plan import VARIANTS, check_engine, check_variant
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Settings of one probe run.
+
+    Attributes:
+        model: local model directory (or a hub id available in the local cache).
+        engine: engine rounding: "vllm-compiled", "vllm-eager" (GPU maps), "vllm-cpu-compiled",
+            "vllm-cpu-eager" (vLLM's CPU build).
+        attn: attention implementation of the emulated engine and the trainer: "eager", "sdpa" or "vllm_cpu"
+            (vLLM's CPU kernel, roundalign.bridge.vllm_cpu).
+        trainer_attn: the trainer's attention when it rescores the real engine's samples (backend vllm); None:
+            ``attn``.
+        engine_gemm: "same" (the trainer's GEMMs) or "splitk" (split-K, partials stored in bf16).
+        variants: trainer alignment variants to compare.
+        num_prompts: number of prompts (one completion each).
+        max_new_tokens: completion length cap, in tokens.
+        seed: prompt and sampling seed.
+        temperature: sampling temperature (> 0).
+        context_tokens: random filler tokens put before each prompt, to probe at realistic positions
+            (RoPE's rounding differences grow with position).
+        splitk_chunk: K-chunk size of the "splitk" engine GEMM, in elements.
+        norm_reduction: ``vllm-compiled`` only: "opaque" (the RMSNorm mean reduction runs the trainer's eager
+            kernel) or "inductor" (Inductor reduces it itself, in its own summation order).
+        kv_cache_dtype: the emulated engine's KV-cache storage (vLLM's names): "auto", "fp8_e4m3", "fp8_e5m2".
+        dtype: model dtype: "bf16", "fp16" or "fp32".
+    """
+
+    model: str
+    engine: str = "vllm-compiled"
+    attn: str = "eager"
+    engine_gemm: str = "same"
+    variants: tuple[str, ...] = VARIANTS
+    num_prompts: int = 8
+    max_new_tokens: int = 16
+    seed: int = 0
+    temperature: float = 1.0
+    context_tokens: int = 0
+    splitk_chunk: int = 64
+    norm_reduction: str = "opaque"
+    kv_cache_dtype: str = "auto"
+    dtype: str = "bf16"
+    trainer_attn: str | None = None
+
+    def __post_init__(self):
+        check_engine(self.engine)
+        check_choice("attention implementation", self.attn, ENGINE_ATTN_IMPLS)
+        if self.trainer_attn is not None:
+            check_choice("trainer attention implementation", self.trainer_attn, ENGINE_ATTN_IMPLS)
+        check_choice("engine GEMM", self.engine_gemm, ENGINE_GEMMS)
+        check_choice("engine norm reduction", self.norm_reduction, NORM_REDUCTIONS)
+        check_choice("KV-cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if not self.variants:
+            raise ValueError("give at least one variant")
+        for v in self.variants:
+            check_variant(v)
+        for name in ("num_prompts", "max_new_tokens", "splitk_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 for a probe, got {self.temperature}")
+
+
+def model_label(path_or_id: str) -> str:
+    """Short model name for tables: the directory's name or the hub id's last part."""
+    return Path(path_or_id.rstrip("/")).name
+
+
+def _prompts(tokenizer, cfg: ProbeConfig) -> list[list[int]]:
+    from roundalign.tasks.arith import make_arith_problems
+
+    problems = make_arith_problems(cfg.num_prompts, seed=cfg.seed)
+    g = torch.Generator().manual_seed(cfg.seed)
+    special = set(tokenizer.all_special_ids)
+    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    out = []
+    for p in problems:
+        ids = tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]
+        if cfg.context_tokens:
+            filler = ordinary[torch.randint(len(ordinary), (cfg.context_tokens,), generator=g)].tolist()
+            ids = filler + ids
+        out.append(ids)
+    return out
+
+
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float,
+                     capture_layers: bool = False):
+    """One full-sequence forward of prompt+completion; returns (logprobs (C,), entropy (C,), layer states).
+
+    Logprobs and entropy are fp32 ``log_softmax(logits.float() / T)`` of the sampled tokens, in nats.
+    Layer states (if asked) are the hidden states after each decoder layer rounded to the model dtype,
+    shape (len(prompt)+C-1, hidden) each."""
+    layers = model.model.layers
+    captured: list[torch.Tensor] = []
+    hooks = []
+    if capture_layers:
+        dtype = model.model.embed_tokens.weight.dtype
+        hooks = [layer.register_forward_hook(lambda _m, _i, out: captured.append(
+            (out[0] if isinstance(out, tuple) else out).to(dtype))) for layer in layers]
+    try:
+        ids = torch.tensor(prompt_ids + completion_ids).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
+    finally:
+        for h in hooks:
+            h.remove()
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, torch.tensor(completion_ids).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    n_pos = len(prompt_ids) + len(completion_ids) - 1
+    states = [c[0, :n_pos] for c in captured]
+    return logp, entropy, states
+
+
+def _pad(rows: list[torch.Tensor], fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), fill, dtype=rows[0].dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+        mask[i, :len(r)] = True
+    return out, mask
+
+
+def rms_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sqrt(mean((a-b)^2)) / sqrt(mean(b^2)), in float64."""
+    a, b = a.double(), b.double()
+    den = b.pow(2).mean().sqrt()
+    return float((a - b).pow(2).mean().sqrt() / den) if den > 0 else math.nan
+
+
+def compare_variants(model, samples, cfg: ProbeConfig, label: str, engine_label: str, log=print,
+                     norm_sum_orders=None):
+    """Rescore ``samples`` (engine completions with their logprobs) with every trainer variant of ``cfg``; returns
+    (rows, layer_rows) of the probe tables. Layer rows need ``Sample.layer_states`` (the emulated engine's);
+    samples from real vLLM have none and give none. The trainer runs on the device of ``model``.
+    ``norm_sum_orders``: the real compiled CPU engine's RMSNorm reduction orders, given to the variants that align
+    the norm (``apply_alignment``)."""
+    engine_logp, mask = _pad([s.logprobs for s in samples])
+    device = next(model.parameters()).device
+    rows, layer_rows = [], []
+    for k, variant in enumerate(cfg.variants, 1):
+        t1 = time.perf_counter()
+        apply_alignment(model, variant, cfg.engine,
+                        norm_sum_orders=norm_sum_orders if variant in ("norm", "full") else None)
+        logps, ents, per_layer = [], [], [[] for _ in model.model.layers]
+        for s in samples:
+            with torch.device(device):  # trainer_logprobs builds its id tensors without a device
+                lp, ent, states = trainer_logprobs(model, s.prompt_ids, s.completion_ids, cfg.temperature,
+                                                   capture_layers=s.layer_states is not None)
+            logps.append(lp.cpu())
+            ents.append(ent.cpu())
+            for i, st in enumerate(states):
+                per_layer[i].append((st.cpu(), s.layer_states[i]))
+        train_logp, _ = _pad(logps)
+        entropy, _ = _pad(ents)
+        result = M.mismatch_metrics(train_logp, engine_logp, mask, entropy=entropy)
+        for level, values in result.items():
+            for metric, value in values.items():
+                rows.append({"model": label, "engine": engine_label, "variant": variant, "level": level,
+                             "metric": metric, "value": float(value)})
+        for i, pairs in enumerate(per_layer):
+            if not pairs:
+                continue
+            err = rms_rel_err(torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs]))
+            layer_rows.append({"model": label, "engine": engine_label, "variant": variant, "layer": i,
+                               "metric": "hidden_rel_err_rms", "value": err})
+        tok = result["token"]
+        log(f"[probe] {label} {variant:>8} ({k}/{len(cfg.variants)}): k3={float(tok['mismatch_k3']):.3e} "
+            f"|dlogp| mean={float(tok['logp_abs_diff_mean']):.3e} max={float(tok['logp_abs_diff_max']):.3e} "
+            f"exact={float(tok['tokens_exact_frac']):.3f} "
+            + (f"last-layer rel err={layer_rows[-1]['value']:.2e} " if layer_rows else "")
+            + f"({time.perf_counter() - t1:.1f}s)")
+    apply_alignment(model, "baseline")
+    return rows, layer_rows
+
+
+def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
+    """Run the probe and write its three files; returns (table, layer_table) as DataFrames."""
+    import pandas as pd
+
+    from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
+
+    resolve_model_path(cfg.model)  # fail fast on a missing model, before loading anything
+    out_csv = check_writable(out_csv)
+    layers_csv = out_csv.with_name(out_csv.stem + "_layers.csv")
+    meta_json = out_csv.with_suffix(".json")
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)  # vllm_cpu: registered and switched to there
+    label = model_label(cfg.model)
+    engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
+                    norm_reduction=cfg.norm_reduction, kv_cache_dtype=cfg.kv_cache_dtype)
+    prompts = _prompts(tokenizer, cfg)
+    samples = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              seed=cfg.seed, eos_token_id=tokenizer.eos_token_id, record_layer_states=True)
+    n_tok = sum(len(s.completion_ids) for s in samples)
+    log(f"[probe] {label}: engine {cfg.engine} (attn={cfg.attn}, gemm={cfg.engine_gemm}, norm reduction={cfg.norm_reduction}, "
+        f"kv cache={cfg.kv_cache_dtype}) sampled {len(samples)} "
+        f"completions, {n_tok} tokens, prompt length {min(map(len, prompts))}-{max(map(len, prompts))} "
+        f"({time.perf_counter() - t0:.1f}s)")
+    rows, layer_rows = compare_variants(model, samples, cfg, label, cfg.engine, log)
+    table, layer_table = pd.DataFrame(rows), pd.DataFrame(layer_rows)
+    atomic_write_csv(table, out_csv)
+    atomic_write_csv(layer_table, layers_csv)
+    meta = {"config": {**asdict(cfg), "variants": list(cfg.variants)},
+            "num_completion_tokens": n_tok, "wall_time_s": round(time.perf_counter() - t0, 3),
+            "outputs": [str(out_csv), str(layers_csv)], "env": environment_info()}
+    atomic_write_json(meta_json, meta)
+    log(f"[probe] wrote {out_csv}, {layers_csv}, {meta_json}")
+    return table, layer_table

