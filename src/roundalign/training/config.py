@@ -1,8 +1,10 @@
 """Run configuration for ``roundalign train``: one frozen dataclass, loaded from YAML and ``--set`` overrides.
 
 Unknown keys, wrong types and inconsistent values raise ``ConfigError`` naming the key and the valid
-choices, before any model or dataset is loaded. The help text of every key lives in the docstring of
-``TrainConfig`` (and is mirrored, with units, by ``workflow/schemas/`` for the sweep).
+choices, before any model or dataset is loaded. The help text of every key (with its units and choices) is written
+once, in the field's ``metadata["help"]``; ``roundalign train --help``, the sweep schema's descriptions
+(workflow/schemas/sweep.schema.yaml) and docs/settings.md show that text (scripts/gen_settings.py writes the latter
+two from it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from roundalign.engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
-from roundalign.numerics.plan import ENGINES, KERNEL_MODES, VARIANTS
+from roundalign.numerics.plan import CPU_ENGINES, ENGINES, KERNEL_MODES, VARIANTS
 
 BACKENDS = ("emulated", "vllm")
 TASKS = ("arith", "math", "digits")
@@ -28,160 +30,187 @@ TRAIN_VARIANTS = ("baseline", "rope", "swiglu", "norm", "full", "tis", "mis", "f
 VLLM_MODES = ("colocate", "server")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 PROMPT_STYLES = ("fixed", "variable")
+DTYPES = ("bf16", "fp16", "fp32")
 
 
 class ConfigError(ValueError):
     """A configuration value is unknown, mistyped or inconsistent."""
 
 
+def _one_of(choices, notes: dict | None = None, quote: bool = True, last: str = " or ") -> str:
+    """``"a" (note), "b" or "c"``: every choice of a constant in its order, each with its note where it has one, so
+    that a help text listing a constant names a choice added to it too."""
+    notes = notes or {}
+    stale = set(notes) - set(choices)
+    if stale:
+        raise ValueError(f"help notes for choices that do not exist: {', '.join(sorted(stale))}")
+    items = [(f'"{c}"' if quote else c) + (f" ({notes[c]})" if c in notes else "") for c in choices]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + last + items[-1]
+
+
+def _setting(default=dataclasses.MISSING, *, help: str, choices: tuple | None = None):
+    """A TrainConfig field carrying its own help (and valid choices), as TRL's and transformers' config fields do:
+    the CLI (``roundalign train --help``), the sweep schema and docs/settings.md all show this text
+    (scripts/gen_settings.py writes the latter two; tests/test_settings.py checks they agree)."""
+    metadata = {"help": help} if choices is None else {"help": help, "choices": tuple(choices)}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Settings of one GRPO run.
+    """Settings of one GRPO run. Each field's help is in its ``metadata["help"]`` (its valid values, where it has a
+    fixed set, in ``metadata["choices"]``); docs/settings.md lists them all."""
 
-    Attributes:
-        model: Local model directory or a hub id (hub ids need the hub or a pre-filled HF cache).
-        variant: Alignment variant (baseline, rope, swiglu, norm, full) or a remedy of other work:
-            tis (token-level truncated importance sampling), mis (sequence-level masked IS),
-            fp16 (policy and engine both in FP16), fp32-head (LM head and logits in FP32 on both sides),
-            full+fp32-head (both), fp32 (policy and engine in FP32: the floor of the share-of-gap metric).
-        seed: Seed of data order, sampling and initialisation of any randomness.
-        backend: "emulated" (CPU engine in-process, through TRL's rollout_func) or "vllm" (GPU).
-        engine: Engine rounding to align to and, for vllm, the vLLM mode launched:
-            "vllm-compiled" (default CUDA-graph/Inductor path) or "vllm-eager" (enforce_eager=True) on a GPU;
-            "vllm-cpu-compiled" (one Inductor graph) or "vllm-cpu-eager" for vLLM's CPU build.
-        attn: Attention implementation on both sides: "eager", "sdpa", "vllm_cpu" (vLLM-CPU's own kernel: the
-            engine's forward with SDPA's gradient; needs vLLM's CPU build and a CPU or the emulated engine) or
-            "vllm_flash" (the trainer calls vLLM's CUDA FlashAttention as vLLM's backend calls it for a prefill,
-            with SDPA's gradient; needs vLLM's CUDA build, a GPU and engine vllm-eager).
-        engine_gemm: Emulated engine only: "same" (the trainer's GEMMs) or "splitk".
-        engine_attn_decode: Emulated engine only: attention kernel of decode steps (one new token against the KV
-            cache), "eager" or "sdpa"; None = the same as ``attn`` (prefill always uses ``attn``). A value other
-            than ``attn`` stands in for inference engines that decode with another kernel than they prefill.
-        engine_norm_reduction: Emulated compiled engine only: "opaque" (RMSNorm's mean of squares is the trainer's
-            eager reduction) or "inductor" (Inductor generates that reduction itself, another summation order).
-        splitk_chunk: K-chunk of the emulated split-K GEMM, in elements.
-        kernels: How aligned regions run in the trainer: "eager" ops or "compiled" (torch.compile).
-        task: "arith" (synthetic arithmetic, exact-match reward), "math" (dataset + math-verify) or "digits"
-            (copy/reverse/sort a digit string: long completions, prompts of varying length).
-        digits_op: task=digits: "copy", "reverse" or "sort" the prompt's digit string.
-        digits_min_len: task=digits: shortest digit string, in digits (= tokens).
-        digits_max_len: task=digits: longest digit string, in digits.
-        digits_len_step: task=digits: string lengths are min_len, min_len + step, ..., <= max_len (fewer distinct
-            prompt lengths = fewer engine decode groups per step, since the engine never pads).
-        math_dataset: Hub dataset id or local json/jsonl file for task=math.
-        math_split: Dataset split for task=math.
-        num_train_prompts: Number of distinct prompts in the training set (arith), or a cap (math).
-        arith_max_operand: Largest operand of arith problems.
-        prompt_style: arith prompts: "fixed" (zero-padded operands, every prompt the same token length) or
-            "variable" (plain operands and three phrasings: prompts of different token lengths, left-padded
-            by TRL like MATH prompts).
-        steps: Optimizer steps (GRPO iterations).
-        learning_rate: Peak learning rate (constant after warm-up).
-        warmup_steps: Linear warm-up steps.
-        lr_scheduler: Learning-rate schedule after warm-up, a transformers scheduler name.
-        weight_decay: AdamW weight decay.
-        max_grad_norm: Gradient clipping threshold (global L2 norm).
-        prompts_per_step: Distinct prompts per optimizer step (each sampled num_generations times).
-        num_generations: Completions per prompt (the GRPO group size).
-        per_device_batch_size: Completions per forward/backward micro-batch, per device. Gradient
-            accumulation makes up the rest: prompts_per_step x num_generations completions per step
-            = per_device_batch_size x number of devices x accumulation steps.
-        max_completion_length: Completion cap, in tokens.
-        max_prompt_length: Prompts longer than this are dropped from the dataset, in tokens.
-        temperature: Sampling temperature (both sides divide logits by it).
-        beta: KL coefficient against the reference policy (0 = no reference model, no KL).
-        epsilon: PPO clip range (lower and upper).
-        loss_type: TRL loss aggregation: grpo, dapo, dr_grpo or bnpo.
-        is_cap: Truncation cap C of the importance ratio for tis (and upper mask bound for mis).
-        is_correction: Apply TRL's vLLM importance-sampling correction; None = only for tis/mis.
-        gradient_checkpointing: Recompute activations in backward (saves memory, costs time).
-        dtype: Policy weight dtype; "bf16" except for the fp16 and fp32 variants (which force "fp16" / "fp32").
-        checkpoint_every: Save a resumable checkpoint every N optimizer steps.
-        keep_checkpoints: Number of most recent checkpoints kept.
-        report_to: Logging integrations passed to TRL (e.g. ["tensorboard"], ["wandb"]); none by default.
-        collapse_exit_code: Process exit code when a run collapses (NaN/inf), so a sweep goes on.
-        reward_collapse_window: Steps in the rolling reward mean of the reward-collapse detector.
-        reward_collapse_drop: Flag reward collapse when the rolling mean falls below this fraction of its
-            best value so far (after one full window).
-        reward_collapse_patience: ... for this many consecutive steps (1 = the first such step flags it).
-        grad_norm_collapse_factor: Flag a gradient-norm collapse when the (pre-clipping) gradient norm exceeds this
-            multiple of the median of all earlier steps' norms; 0 = off.
-        grad_norm_collapse_min_steps: Earlier steps needed before the gradient-norm median is trusted.
-        vllm_mode: vLLM integration: "colocate" (in-process) or "server" (`trl vllm-serve`).
-        vllm_gpu_memory_utilization: Fraction of GPU memory vLLM may take in colocate mode.
-        vllm_server_base_url: URL of the vLLM server in server mode (None: host/port defaults).
-        vllm_tensor_parallel_size: Tensor parallelism of colocated vLLM.
-        mismatch_metrics: Log the full mismatch set (costs one extra no-grad forward per step).
-    """
-
-    model: str
-    variant: str = "full"
-    seed: int = 0
-    backend: str = "emulated"
-    engine: str = "vllm-compiled"
-    attn: str = "eager"
-    engine_gemm: str = "same"
-    engine_attn_decode: str | None = None
-    engine_norm_reduction: str = "opaque"
-    engine_kv_cache_dtype: str = "auto"
-    splitk_chunk: int = 64
-    kernels: str = "eager"
-    task: str = "arith"
-    math_dataset: str = "DigitalLearningGmbH/MATH-lighteval"
-    math_split: str = "train"
-    num_train_prompts: int = 512
-    arith_max_operand: int = 49
-    prompt_style: str = "fixed"
-    digits_op: str = "copy"
-    digits_min_len: int = 8
-    digits_max_len: int = 32
-    digits_len_step: int = 1
-    steps: int = 20
-    learning_rate: float = 1e-4
-    warmup_steps: int = 0
-    lr_scheduler: str = "constant_with_warmup"
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    prompts_per_step: int = 4
-    num_generations: int = 4
-    per_device_batch_size: int = 16
-    max_completion_length: int = 8
-    max_prompt_length: int = 512
-    temperature: float = 1.0
-    beta: float = 0.0
-    epsilon: float = 0.2
-    loss_type: str = "dapo"
-    is_cap: float = 3.0
-    is_correction: bool | None = None
-    gradient_checkpointing: bool = False
-    dtype: str = "bf16"
-    checkpoint_every: int = 5
-    keep_checkpoints: int = 2
-    report_to: tuple[str, ...] = ()
-    collapse_exit_code: int = 0
-    reward_collapse_window: int = 10
-    reward_collapse_drop: float = 0.5
-    reward_collapse_patience: int = 1
-    grad_norm_collapse_factor: float = 0.0
-    grad_norm_collapse_min_steps: int = 10
-    vllm_mode: str = "colocate"
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_server_base_url: str | None = None
-    vllm_tensor_parallel_size: int = 1
-    mismatch_metrics: bool = True
+    model: str = _setting(
+        help="Local model directory or a hub id (hub ids need the hub or a pre-filled HF cache).")
+    variant: str = _setting(
+        "full", choices=TRAIN_VARIANTS,
+        help=f"Alignment variant ({_one_of(VARIANTS, quote=False, last=', ')}) or a remedy of other work: "
+             + _one_of([v for v in TRAIN_VARIANTS if v not in VARIANTS], quote=False, last=", ", notes={
+                 "tis": "token-level truncated importance sampling",
+                 "mis": "sequence-level masked IS",
+                 "fp16": "policy and engine both in FP16",
+                 "fp32-head": "LM head and logits in FP32 on both sides",
+                 "full+fp32-head": "both",
+                 "fp32": "policy and engine in FP32: the floor of the share-of-gap metric"}) + ".")
+    seed: int = _setting(0, help="Seed of data order, sampling and initialisation of any randomness.")
+    backend: str = _setting(
+        "emulated", choices=BACKENDS,
+        help=_one_of(BACKENDS, {"emulated": "CPU engine in-process, through TRL's rollout_func", "vllm": "GPU"})
+             + ".")
+    engine: str = _setting(
+        "vllm-compiled", choices=ENGINES,
+        help="Engine rounding to align to and, for vllm, the vLLM mode launched: "
+             + _one_of([e for e in ENGINES if e not in CPU_ENGINES], {
+                 "vllm-compiled": "default CUDA-graph/Inductor path", "vllm-eager": "enforce_eager=True"})
+             + " on a GPU; "
+             + _one_of([e for e in ENGINES if e in CPU_ENGINES], {
+                 "vllm-cpu-compiled": "one Inductor graph", "vllm-cpu-eager": "enforce_eager=True"})
+             + " for vLLM's CPU build.")
+    attn: str = _setting(
+        "eager", choices=ATTN_IMPLS,
+        help="Attention implementation on both sides: " + _one_of(ATTN_IMPLS, {
+            "vllm_cpu": "vLLM-CPU's own kernel: the engine's forward with SDPA's gradient; needs vLLM's CPU build "
+                        "and a CPU or the emulated engine",
+            "vllm_flash": "the trainer calls vLLM's CUDA FlashAttention as vLLM's backend calls it for a prefill, "
+                          "with SDPA's gradient; needs vLLM's CUDA build, a GPU and engine vllm-eager"}) + ".")
+    engine_gemm: str = _setting(
+        "same", choices=ENGINE_GEMMS,
+        help="Emulated engine only: " + _one_of(ENGINE_GEMMS, {"same": "the trainer's GEMMs"}) + ".")
+    engine_attn_decode: str | None = _setting(
+        None, choices=ENGINE_ATTN_IMPLS,
+        help="Emulated engine only: attention kernel of decode steps (one new token against the KV cache), "
+             f"{_one_of(ENGINE_ATTN_IMPLS)}; None = the same as `attn` (prefill always uses `attn`). A value other "
+             "than `attn` stands in for inference engines that decode with another kernel than they prefill.")
+    engine_norm_reduction: str = _setting(
+        "opaque", choices=NORM_REDUCTIONS,
+        help="Emulated compiled engine only: " + _one_of(NORM_REDUCTIONS, {
+            "opaque": "RMSNorm's mean of squares is the trainer's eager reduction",
+            "inductor": "Inductor generates that reduction itself, another summation order"}) + ".")
+    engine_kv_cache_dtype: str = _setting(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="Emulated engine only: KV-cache storage, vLLM's names: "
+             f"{_one_of(KV_CACHE_DTYPES, {'auto': 'model dtype'}, last=', ')}; the fp8 formats store K/V quantized, "
+             "with scale 1.0.")
+    splitk_chunk: int = _setting(64, help="K-chunk of the emulated split-K GEMM, in elements.")
+    kernels: str = _setting(
+        "eager", choices=KERNEL_MODES,
+        help="How aligned regions run in the trainer: "
+             + _one_of(KERNEL_MODES, {"eager": "separate torch ops", "compiled": "torch.compile"}) + ".")
+    task: str = _setting(
+        "arith", choices=TASKS,
+        help=_one_of(TASKS, {
+            "arith": "synthetic arithmetic, exact-match reward", "math": "dataset + math-verify",
+            "digits": f"{'/'.join(DIGITS_OPS)} a digit string: long completions, prompts of varying length"}) + ".")
+    math_dataset: str = _setting("DigitalLearningGmbH/MATH-lighteval",
+                                 help="Hub dataset id or local json/jsonl file for task=math.")
+    math_split: str = _setting("train", help="Dataset split for task=math.")
+    num_train_prompts: int = _setting(
+        512, help="Number of distinct prompts in the training set (arith), or a cap (math).")
+    arith_max_operand: int = _setting(49, help="Largest operand of arith problems.")
+    prompt_style: str = _setting(
+        "fixed", choices=PROMPT_STYLES,
+        help="arith prompts: " + _one_of(PROMPT_STYLES, {
+            "fixed": "zero-padded operands, every prompt the same token length",
+            "variable": "plain operands and three phrasings: prompts of different token lengths, left-padded by TRL "
+                        "like MATH prompts"}) + ".")
+    digits_op: str = _setting(
+        "copy", choices=DIGITS_OPS, help=f"task=digits: {_one_of(DIGITS_OPS)} the prompt's digit string.")
+    digits_min_len: int = _setting(8, help="task=digits: shortest digit string, in digits (= tokens).")
+    digits_max_len: int = _setting(32, help="task=digits: longest digit string, in digits.")
+    digits_len_step: int = _setting(
+        1, help="task=digits: step between string lengths, in digits: lengths are digits_min_len, digits_min_len + "
+                "step, ..., <= digits_max_len (fewer distinct prompt lengths = fewer engine decode groups per step, "
+                "since the engine never pads).")
+    steps: int = _setting(20, help="Optimizer steps (GRPO iterations).")
+    learning_rate: float = _setting(1e-4, help="Peak learning rate (constant after warm-up).")
+    warmup_steps: int = _setting(0, help="Linear warm-up steps.")
+    lr_scheduler: str = _setting("constant_with_warmup",
+                                 help="Learning-rate schedule after warm-up, a transformers scheduler name.")
+    weight_decay: float = _setting(0.0, help="AdamW weight decay.")
+    max_grad_norm: float = _setting(1.0, help="Gradient clipping threshold (global L2 norm).")
+    prompts_per_step: int = _setting(
+        4, help="Distinct prompts per optimizer step (each sampled num_generations times).")
+    num_generations: int = _setting(4, help="Completions per prompt (the GRPO group size).")
+    per_device_batch_size: int = _setting(
+        16, help="Completions per forward/backward micro-batch, per device. Gradient accumulation makes up the rest: "
+                 "prompts_per_step x num_generations completions per step = per_device_batch_size x number of "
+                 "devices x accumulation steps.")
+    max_completion_length: int = _setting(8, help="Completion cap, in tokens.")
+    max_prompt_length: int = _setting(512, help="Prompts longer than this are dropped from the dataset, in tokens.")
+    temperature: float = _setting(1.0, help="Sampling temperature (both sides divide logits by it).")
+    beta: float = _setting(0.0, help="KL coefficient against the reference policy (0 = no reference model, no KL).")
+    epsilon: float = _setting(0.2, help="PPO clip range (lower and upper).")
+    loss_type: str = _setting(
+        "dapo", choices=LOSS_TYPES, help=f"TRL loss aggregation: {_one_of(LOSS_TYPES, quote=False)}.")
+    is_cap: float = _setting(
+        3.0, help="Truncation cap C of the importance ratio for tis (and upper mask bound for mis).")
+    is_correction: bool | None = _setting(
+        None, help="Apply TRL's vLLM importance-sampling correction; None = only for tis/mis.")
+    gradient_checkpointing: bool = _setting(
+        False, help="Recompute activations in backward (saves memory, costs time).")
+    dtype: str = _setting(
+        "bf16", choices=DTYPES,
+        help=f"Policy weight dtype ({_one_of(DTYPES)}); \"bf16\" except for the fp16 and fp32 variants (which force "
+             "\"fp16\" / \"fp32\").")
+    checkpoint_every: int = _setting(5, help="Save a resumable checkpoint every N optimizer steps.")
+    keep_checkpoints: int = _setting(2, help="Number of most recent checkpoints kept.")
+    report_to: tuple[str, ...] = _setting(
+        (), help='Logging integrations passed to TRL (e.g. ["tensorboard"], ["wandb"]); none by default.')
+    collapse_exit_code: int = _setting(
+        0, help="Process exit code when a run collapses (NaN/inf), so a sweep goes on.")
+    reward_collapse_window: int = _setting(
+        10, help="Steps in the rolling reward mean of the reward-collapse detector.")
+    reward_collapse_drop: float = _setting(
+        0.5, help="Flag reward collapse when the rolling mean falls below this fraction of its best value so far "
+                  "(after one full window).")
+    reward_collapse_patience: int = _setting(
+        1, help="Flag reward collapse only once the rolling mean has stayed below the reward_collapse_drop line for "
+                "this many consecutive steps (1 = the first such step flags it).")
+    grad_norm_collapse_factor: float = _setting(
+        0.0, help="Flag a gradient-norm collapse when the (pre-clipping) gradient norm exceeds this multiple of the "
+                  "median of all earlier steps' norms; 0 = off.")
+    grad_norm_collapse_min_steps: int = _setting(
+        10, help="Earlier steps needed before the gradient-norm median is trusted.")
+    vllm_mode: str = _setting(
+        "colocate", choices=VLLM_MODES,
+        help="vLLM integration: " + _one_of(VLLM_MODES, {"colocate": "in-process", "server": "`trl vllm-serve`"})
+             + ".")
+    vllm_gpu_memory_utilization: float = _setting(
+        0.3, help="Fraction of GPU memory vLLM may take in colocate mode.")
+    vllm_server_base_url: str | None = _setting(
+        None, help="URL of the vLLM server in server mode (None: host/port defaults).")
+    vllm_tensor_parallel_size: int = _setting(1, help="Tensor parallelism of colocated vLLM.")
+    mismatch_metrics: bool = _setting(
+        True, help="Log the full mismatch set (costs one extra no-grad forward per step).")
 
     def __post_init__(self):
-        choices = {"variant": TRAIN_VARIANTS, "backend": BACKENDS, "engine": ENGINES, "attn": ATTN_IMPLS,
-                   "engine_gemm": ENGINE_GEMMS, "kernels": KERNEL_MODES, "task": TASKS, "vllm_mode": VLLM_MODES,
-                   "dtype": ("bf16", "fp16", "fp32"), "loss_type": LOSS_TYPES,
-                   "prompt_style": PROMPT_STYLES, "engine_norm_reduction": NORM_REDUCTIONS, "digits_op": DIGITS_OPS,
-                   "engine_kv_cache_dtype": KV_CACHE_DTYPES}
-        for key, valid in choices.items():
-            if getattr(self, key) not in valid:
-                raise ConfigError(f"{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}")
-        if self.engine_attn_decode is not None and self.engine_attn_decode not in ENGINE_ATTN_IMPLS:
-            raise ConfigError(f"engine_attn_decode={self.engine_attn_decode!r} is not valid; choose one of: "
-                              f"{', '.join(ENGINE_ATTN_IMPLS)} (or none: the same as attn)")
+        for f in dataclasses.fields(self):
+            valid, value = f.metadata.get("choices"), getattr(self, f.name)
+            if valid is None or value in valid or (value is None and f.name in _OPTIONAL):
+                continue
+            raise ConfigError(f"{f.name}={value!r} is not valid; choose one of: {', '.join(valid)}"
+                              + (f" (or none: {_NONE_MEANS[f.name]})" if f.name in _NONE_MEANS else ""))
         positive = ("splitk_chunk", "num_train_prompts", "steps", "prompts_per_step", "num_generations",
                     "per_device_batch_size", "max_completion_length",
                     "max_prompt_length", "checkpoint_every", "keep_checkpoints", "reward_collapse_window",
@@ -264,6 +293,40 @@ class TrainConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
+_OPTIONAL = {k for k, h in _HINTS.items() if type(None) in typing.get_args(h)}
+# what None means for an optional key with choices, in the error naming the valid choices
+_NONE_MEANS = {"engine_attn_decode": "the same as attn"}
+
+
+def setting_help(key: str) -> str:
+    """The help text of TrainConfig key ``key`` (its field's ``metadata["help"]``): the one source of the CLI's,
+    the sweep schema's and docs/settings.md's description of that key."""
+    return _FIELDS[key].metadata["help"]
+
+
+def setting_choices(key: str) -> tuple | None:
+    """The valid values of ``key`` (None as well where the key is optional), or None where any value of its type
+    goes."""
+    return _FIELDS[key].metadata.get("choices")
+
+
+def setting_default(key: str):
+    """The default of ``key`` (``dataclasses.MISSING`` for ``model``, which has none)."""
+    return _FIELDS[key].default
+
+
+def setting_type(key: str):
+    """The type hint of ``key`` (``str``, ``int | None``, ``tuple[str, ...]`` ...)."""
+    return _HINTS[key]
+
+
+def show_value(value) -> str:
+    """A setting's value as YAML spells it: ``null``, ``true``, ``[]``, ``[tensorboard]``, ``0.0001``, ``full``."""
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def _coerce(key: str, value):
