@@ -74,8 +74,49 @@ def make_figure_parser() -> argparse.ArgumentParser:
     return p
 
 
+# train settings with a flag of their own; every other one is set with --config or --set KEY=VALUE
+TRAIN_FLAGS = ("model", "variant", "seed", "backend", "engine", "attn", "task", "steps")
+
+
+def train_flag_help(key: str) -> str:
+    """The help of ``roundalign train --<key>``: the setting's own help (TrainConfig's field metadata), with its
+    default (or, for model, where else it may be given)."""
+    from roundalign.training.config import setting_default, setting_help, show_value
+
+    if key == "model":
+        return f"required (here or as `model:` in --config): {setting_help(key)}"
+    return f"{setting_help(key)} (default {show_value(setting_default(key))})"
+
+
+def _add_train_flag(parser: argparse.ArgumentParser, key: str) -> None:
+    from roundalign.training.config import setting_type
+
+    parser.add_argument("--" + key.replace("_", "-"), dest=key, type=int if setting_type(key) is int else None,
+                        help=train_flag_help(key).replace("%", "%%"))
+
+
+def train_settings_epilog(width: int | None = None) -> str:
+    """Every train setting (the keys of --config and --set) with its default and help, from TrainConfig's field
+    metadata, as ``roundalign train --help`` ends; wrapped at ``width`` (default: the terminal's, as argparse)."""
+    import dataclasses
+    import shutil
+    import textwrap
+
+    from roundalign.training.config import TrainConfig, setting_help, show_value
+
+    width = width or min(shutil.get_terminal_size().columns - 2, 118)
+    lines = textwrap.wrap("train settings (keys of the --config YAML file and of --set KEY=VALUE; "
+                          "docs/settings.md):", width)
+    for f in dataclasses.fields(TrainConfig):
+        default = "required" if f.default is dataclasses.MISSING else f"default {show_value(f.default)}"
+        lines.append(f"  {f.name} ({default})")
+        lines += textwrap.wrap(setting_help(f.name), width, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                               break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def make_parser() -> argparse.ArgumentParser:
-    from roundalign.engine import ATTN_IMPLS, ENGINE_GEMMS
+    from roundalign.engine import ENGINE_GEMMS
     from roundalign.engine.choices import ENGINE_ATTN_IMPLS
     from roundalign.numerics import ENGINES, VARIANTS
     from roundalign.models.tiny import ARCHS
@@ -135,21 +176,16 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--gpu-memory-utilization", type=float, default=0.45,
                     help="fraction of GPU memory vLLM may take while it samples (vllm backend; default 0.45)")
 
-    from roundalign.training.config import BACKENDS, TASKS, TRAIN_VARIANTS
-
-    tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)")
-    tr.add_argument("--model", help="model directory or hub id (required: here or as `model:` in --config)")
-    tr.add_argument("--variant", help=f"one of {', '.join(TRAIN_VARIANTS)} (default full)")
-    tr.add_argument("--seed", type=int, help="seed (default 0)")
+    tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)",
+                        epilog=train_settings_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    for key in TRAIN_FLAGS[:3]:
+        _add_train_flag(tr, key)
     tr.add_argument("--out", required=True, help="run directory: metrics.jsonl, run.json, checkpoints/")
-    tr.add_argument("--config", help="YAML file of TrainConfig keys (see roundalign.training.config.TrainConfig)")
-    tr.add_argument("--backend", help=f"{', '.join(BACKENDS)} (default emulated)")
-    tr.add_argument("--engine", help=f"engine rounding / vLLM mode: {', '.join(ENGINES)} (default vllm-compiled)")
-    tr.add_argument("--attn", help=f"attention on both sides: {', '.join(ATTN_IMPLS)} (default eager)")
-    tr.add_argument("--task", help=f"{', '.join(TASKS)} (default arith)")
-    tr.add_argument("--steps", type=int, help="optimizer steps (default 20)")
+    tr.add_argument("--config", help="YAML file of train settings (the keys listed below; docs/settings.md)")
+    for key in TRAIN_FLAGS[3:]:
+        _add_train_flag(tr, key)
     tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override any TrainConfig key; repeatable")
+                    help="override any train setting (listed below); repeatable")
     tr.add_argument("--export", metavar="DIR",
                     help="when the run has finished (done or collapsed), copy metrics.jsonl and run.json into DIR "
                          "(atomically; the sweep's declared outputs, kept apart from the checkpoints)")
@@ -249,8 +285,7 @@ def run_train_cli(args) -> int:
     from roundalign.training.config import build_config, parse_set
     from roundalign.training.train import run_train
 
-    flags = {k: getattr(args, k) for k in ("model", "variant", "seed", "backend", "engine", "attn", "task", "steps")
-             if getattr(args, k) is not None}
+    flags = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
     cfg = build_config(file=args.config, overrides={**flags, **parse_set(args.overrides)})
     _setup_runtime()
     from roundalign.training.distributed import rank_log
