@@ -1,0 +1,128 @@
+"""One source per train setting: each TrainConfig field's help (``metadata["help"]``) is what the CLI, the sweep
+schema's descriptions and docs/settings.md show (scripts/gen_settings.py writes the schema blocks and the table)."""
+
+import dataclasses
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from roundalign.training.config import (ConfigError, TrainConfig, build_config, setting_choices, setting_default,
+                                        setting_help, show_value)
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    spec = importlib.util.spec_from_file_location("gen_settings", ROOT / "scripts/gen_settings.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def train_parser():
+    from roundalign.cli import make_parser
+
+    sub = next(a for a in make_parser()._actions if a.dest == "verb")
+    return sub.choices["train"]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_schema_and_docs_agree_with_the_field_help(gen):
+    assert gen.check() == []
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/gen_settings.py"), "--check"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_every_setting_has_help_naming_each_of_its_choices():
+    for key in FIELDS:
+        help_ = setting_help(key)
+        assert help_.strip() and help_ == _flat(help_) and help_.endswith("."), key
+        for choice in setting_choices(key) or ():
+            assert re.search(rf"(?<![\w+-]){re.escape(choice)}(?![\w+-])", help_), (key, choice)
+
+
+def test_config_checks_the_choices_of_the_metadata():
+    for key in FIELDS:
+        choices = setting_choices(key)
+        if choices:
+            msg = f"{key}='nope' is not valid; choose one of: {', '.join(choices)}"
+            with pytest.raises(ConfigError, match=re.escape(msg)):
+                build_config(overrides={"model": "x", key: "nope"})
+
+
+def test_schema_lists_every_train_key_with_its_help_choices_and_default(gen):
+    import yaml
+
+    schema = yaml.safe_load((ROOT / "workflow/schemas/sweep.schema.yaml").read_text())
+    for place, props in gen._schema_props(schema).items():
+        assert list(props) == [k for k in FIELDS if k not in ("model", "variant", "seed")], place
+        for key, entry in props.items():
+            assert entry["description"] == setting_help(key), (place, key)
+            choices = setting_choices(key)
+            if choices:
+                assert [c for c in entry["enum"] if c is not None] == list(choices), (place, key)
+            if place == "train":
+                default = setting_default(key)
+                assert entry["default"] == (list(default) if isinstance(default, tuple) else default), key
+            else:
+                assert "default" not in entry, key  # a default there would override the sweep's train:
+
+
+def test_docs_table_has_one_row_per_setting_with_its_help():
+    rows = [line for line in (ROOT / "docs/settings.md").read_text().splitlines() if line.startswith("| `")]
+    assert [r.split("|")[1].strip().strip("`") for r in rows] == FIELDS
+    for key, row in zip(FIELDS, rows):
+        assert row.split(" | ")[-1].removesuffix(" |") == setting_help(key).replace("|", "\\|"), key
+
+
+def test_cli_flags_and_settings_list_show_the_field_help(train_parser):
+    from roundalign.cli import TRAIN_FLAGS
+
+    flags = {a.dest: a for a in train_parser._actions if a.dest in FIELDS}
+    assert set(flags) == set(TRAIN_FLAGS)
+    for key, action in flags.items():
+        help_ = action.help.replace("%%", "%")
+        if key == "model":
+            assert help_ == f"required (here or as `model:` in --config): {setting_help(key)}"
+        else:
+            assert help_ == f"{setting_help(key)} (default {show_value(setting_default(key))})", key
+    epilog = _flat(train_parser.epilog)
+    for key in FIELDS:
+        default = setting_default(key)
+        head = "required" if default is dataclasses.MISSING else f"default {show_value(default)}"
+        assert f" {key} ({head}) {setting_help(key)}" in epilog, key
+
+
+def test_check_names_the_key_whose_schema_description_was_edited(gen, tmp_path):
+    text = (ROOT / "workflow/schemas/sweep.schema.yaml").read_text()
+    block = text.index("# BEGIN train settings (with defaults)")
+    old = "description: Peak learning rate (constant after warm-up)."
+    at = text.index(old, block)
+    edited = text[:at] + "description: Peak learning rate." + text[at + len(old):]
+    schema = tmp_path / "sweep.schema.yaml"
+    schema.write_text(edited)
+    problems = gen.check(schema, ROOT / "docs/settings.md")
+    assert len(problems) == 1 and "train.learning_rate: description differs" in problems[0], problems
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/gen_settings.py"), "--check", "--schema", str(schema)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "train.learning_rate: description" in res.stderr, res.stderr
+    # rewriting puts the field help back, and touches nothing outside the marked blocks
+    assert gen.render_schema(edited) == text
+
+
+def test_check_names_the_key_whose_docs_row_was_edited(gen, tmp_path):
+    docs = tmp_path / "settings.md"
+    docs.write_text((ROOT / "docs/settings.md").read_text().replace("AdamW weight decay.", "Weight decay."))
+    problems = gen.check(ROOT / "workflow/schemas/sweep.schema.yaml", docs)
+    assert problems == [f"{docs}: differs from TrainConfig's help (keys: weight_decay)"]
