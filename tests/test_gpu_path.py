@@ -32,7 +32,7 @@ def test_grpo_args_exist_before_the_model_is_loaded(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "load_model", load_model)
     cfg = build_config(overrides={"model": model})
     with pytest.raises(RuntimeError, match="stop here"):
-        train._build_trainer(cfg, tmp_path / "ck", None, {}, (), lambda *_: None)
+        train._build_trainer(cfg, tmp_path / "ck", None, None, (), lambda *_: None)
     assert order == ["args", "model"]
 
 

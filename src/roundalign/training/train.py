@@ -20,6 +20,7 @@ GRPO itself, the loss, the importance-sampling correction and the optimizer are 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -227,7 +228,7 @@ def _config_diff(a: dict, b: dict) -> list[str]:
     return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-class _RunFiles:
+class RunFiles:
     """metrics.jsonl + run.json of one run directory."""
 
     def __init__(self, out_dir: Path, cfg: TrainConfig):
@@ -267,122 +268,6 @@ class _RunFiles:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _make_callback(files: _RunFiles, cfg: TrainConfig, state, log):
-    from transformers import TrainerCallback
-
-    from roundalign.training.trl_bridge import TRL_RENAMES
-
-    class RunCallback(TrainerCallback):
-        """Writes metrics.jsonl, detects collapse, honours SIGTERM, prints one progress line per step."""
-
-        def __init__(self):
-            from roundalign.training.collapse import GradNormCollapse, RewardCollapse
-
-            self.t_step = None
-            self.last_tokens = None
-            self.reward_collapse = RewardCollapse(cfg.reward_collapse_window, cfg.reward_collapse_drop,
-                                                  cfg.reward_collapse_patience)
-            self.grad_norm_collapse = GradNormCollapse(cfg.grad_norm_collapse_factor, cfg.grad_norm_collapse_min_steps)
-            self.explained_exact = False  # the k3/exact legend is printed once, before the first progress line
-
-        def on_step_begin(self, args, st, control, **kw):
-            self.t_step = time.perf_counter()
-
-        def on_step_end(self, args, st, control, **kw):
-            if state.stop_requested:
-                control.should_save = True
-                control.should_training_stop = True
-
-        def on_log(self, args, st, control, logs=None, **kw):
-            if not logs or "loss" not in logs:
-                return  # the end-of-training summary
-            step_time = time.perf_counter() - (self.t_step or time.perf_counter())
-            rec = {"step": st.global_step}
-            for key, value in logs.items():
-                if key == "step_time":
-                    rec["time/trl_step_time_s"] = value
-                elif key.startswith("rewards/"):
-                    rec["reward/" + key[len("rewards/"):]] = value
-                else:
-                    rec[TRL_RENAMES.get(key, key)] = value
-            tokens = rec.get("tokens/total")
-            new_tokens = tokens - self.last_tokens if tokens is not None and self.last_tokens is not None else tokens
-            self.last_tokens = tokens
-            rec["step_time_s"] = step_time
-            rec["tokens_per_s"] = (new_tokens / step_time) if new_tokens and step_time > 0 else None
-            files.append_metrics(rec)
-            files.record["last_step"] = st.global_step
-            bad = [k for k in ("optim/loss", "optim/grad_norm", "mismatch/token/k3") if k in rec
-                   and not _finite(rec[k])]
-            if "optim/grad_norm" in bad and rec.get("optim/overflow_skipped") and rec.get("optim/loss_scale", 0) > 1:
-                bad.remove("optim/grad_norm")  # fp16: the step was skipped and the loss scale halved
-            from roundalign.training import distributed as D
-
-            if D.any_rank(bool(bad)):  # decided on a global flag, so every rank stops at the same step
-                bad = bad or ["on another rank"]
-                state.collapse = {"step": st.global_step, "reason": "non-finite " + ", ".join(
-                    f"{k}={rec[k]}" if k in rec else k for k in bad)}
-                control.should_training_stop = True
-            self._reward_collapse(st.global_step, rec.get("reward/mean"))
-            self._grad_norm_collapse(st.global_step, rec.get("optim/grad_norm"))
-            k3 = rec.get("mismatch/token/k3")
-            if k3 is not None and not self.explained_exact:
-                self.explained_exact = True
-                log("[train] k3: per-token mismatch KL between the engine's sampling logprobs and the trainer's "
-                    "(nats); exact: fraction of tokens whose two logprobs are equal bit for bit. The engine's "
-                    "sampler and TRL compute log-softmax in different fp32 orders (~1e-7 nats apart), so exact "
-                    "stays near 0 against real vLLM even where k3 sits at that floor (~1e-13) and the logits "
-                    "are bitwise equal")
-            log(f"[train] step {st.global_step}/{cfg.steps} reward={rec.get('reward/mean', float('nan')):.3f} "
-                + (f"k3={k3:.2e} exact={rec.get('mismatch/token/tokens_exact_frac', float('nan')):.3f} "
-                   if k3 is not None else "")
-                + f"loss={rec.get('optim/loss', float('nan')):.4g} ({step_time:.2f}s)")
-
-        def _reward_collapse(self, step, reward):
-            event = self.reward_collapse.update(step, reward)
-            if event:
-                files.record["reward_collapse"] = event
-                log(f"[train] reward collapse flagged at step {step} (onset {event['step']})")
-
-        def _grad_norm_collapse(self, step, grad_norm):
-            event = self.grad_norm_collapse.update(step, grad_norm)
-            if event:
-                files.record["grad_norm_collapse"] = event
-                log(f"[train] grad-norm collapse flagged at step {step}")
-
-        def on_save(self, args, st, control, **kw):
-            ckpt = Path(args.output_dir) / f"checkpoint-{st.global_step}"
-            if ckpt.is_dir() and files.is_main:
-                atomic_write_json(ckpt / "roundalign_state.json", {
-                    "step": st.global_step, "engine": cfg.engine, "backend": cfg.backend,
-                    "engine_syncs": state.sync.num_syncs if state.sync else None,
-                    **self.reward_collapse.state_dict(), **self.grad_norm_collapse.state_dict()})
-            from roundalign.training import distributed as D
-            from roundalign.training.checkpoints import fault_point, mark_complete, rotate
-
-            D.barrier()  # every rank's files (ZeRO-3 shards) are written before the marker
-            fault_point("before_marker", st.global_step, args.output_dir)
-            if ckpt.is_dir() and files.is_main:
-                mark_complete(ckpt)
-                fault_point("after_marker", st.global_step, args.output_dir)
-                rotate(ckpt.parent, cfg.keep_checkpoints)  # Trainer's rotation is off (build_grpo_args)
-            D.barrier()
-            files.write()
-
-        def on_train_begin(self, args, st, control, **kw):
-            if state.resume_state:
-                self.reward_collapse.load_state_dict(state.resume_state)
-                self.grad_norm_collapse.load_state_dict(state.resume_state)
-                files.record["reward_collapse"] = self.reward_collapse.event
-                files.record["grad_norm_collapse"] = self.grad_norm_collapse.event
-
-    return RunCallback()
 
 
 def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deepspeed: bool | None = None):
@@ -484,33 +369,80 @@ def make_rollout(engine, tokenizer, cfg: TrainConfig):
 
 
 def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print) -> TrainResult:
-    """Run (or resume, or report as finished) one GRPO run in ``out_dir``."""
-    out_dir = Path(out_dir)
-    preflight(cfg, out_dir)
-    files = _RunFiles(out_dir, cfg)
-    previous = _read_json(files.run_path)
-    from roundalign.models.load import weights_fingerprint
+    """Run (or resume, or report as finished) one GRPO run in ``out_dir``.
 
+    Read top to bottom: preflight (every check that can refuse the run, before a model is loaded), resume (the
+    newest complete checkpoint, and run.json carried over), build (model, alignment, engine, TRL's trainer),
+    train, finalize (status, final policy, run.json)."""
+    out_dir = Path(out_dir)
+    from roundalign.models.load import weights_fingerprint
+    from roundalign.training.deadline import RunState
+
+    # 1. preflight
+    preflight(cfg, out_dir)
+    files = RunFiles(out_dir, cfg)
+    previous = _read_json(files.run_path)
     fingerprint = weights_fingerprint(cfg.model)
-    if previous is not None:
-        diff = _config_diff(previous.get("config", {}), cfg.to_dict())
-        if previous.get("model_fingerprint") not in (None, fingerprint):
-            diff.append(f"the model at {cfg.model} changed since this run started (weights fingerprint "
-                        f"{previous['model_fingerprint']} vs {fingerprint})")
-        if previous.get("model_fingerprint") is None and previous.get("status") in FINISHED:
-            log(f"[train] {out_dir}: its run predates model fingerprints; whether the model at {cfg.model} changed "
-                "since cannot be told (remove the directory to retrain)")
-        if diff:
-            raise ConfigError(f"{out_dir} holds a run with another config ({'; '.join(diff)}); "
-                              "use another --out or remove that directory")
-        if previous.get("status") in FINISHED:
-            log(f"[train] {out_dir}: already {previous['status']} at step {previous.get('last_step')}; nothing to do")
-            return TrainResult(previous["status"], previous.get("last_step", 0), 0, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = out_dir / "checkpoints"
+    finished = _check_previous_run(cfg, out_dir, previous, fingerprint, log)
+    if finished is not None:
+        return finished
+    # 2. resume
+    resume = _resume(cfg, out_dir, files, previous, fingerprint, log)
+    state = RunState(resume_state=_read_json(resume / "roundalign_state.json") if resume else None)
+    t0 = time.perf_counter()
+    with _stop_requests(state):
+        try:
+            # 3. build
+            trainer = _build_trainer(cfg, out_dir / "checkpoints", files, state, callbacks, log)
+            # 4. train
+            _train(trainer, resume, state)
+            # 5. finalize
+            status, code = _finalize(trainer, cfg, out_dir, files, state)
+        except BaseException as exc:
+            files.record.update(status="failed", error=f"{type(exc).__name__}: {exc}",
+                                wall_time_s=files.record.get("wall_time_s", 0.0) + time.perf_counter() - t0)
+            if files.record.get("config"):
+                files.write()
+            raise
+    files.record.update(status=status, exit_code=code,
+                        wall_time_s=round(files.record["wall_time_s"] + time.perf_counter() - t0, 3))
+    files.write()
+    log(f"[train] {out_dir}: {status} at step {files.record['last_step']}"
+        + (f" ({state.collapse['reason']})" if state.collapse else ""))
+    return TrainResult(status, files.record["last_step"], code, out_dir)
+
+
+def _check_previous_run(cfg: TrainConfig, out_dir: Path, previous: dict | None, fingerprint: str,
+                        log) -> TrainResult | None:
+    """Refuse a directory that holds another run (another config, or a model rebuilt since); a finished run is
+    reported as it is (its TrainResult), an unfinished one resumes (None)."""
+    if previous is None:
+        return None
+    diff = _config_diff(previous.get("config", {}), cfg.to_dict())
+    if previous.get("model_fingerprint") not in (None, fingerprint):
+        diff.append(f"the model at {cfg.model} changed since this run started (weights fingerprint "
+                    f"{previous['model_fingerprint']} vs {fingerprint})")
+    if previous.get("model_fingerprint") is None and previous.get("status") in FINISHED:
+        log(f"[train] {out_dir}: its run predates model fingerprints; whether the model at {cfg.model} changed "
+            "since cannot be told (remove the directory to retrain)")
+    if diff:
+        raise ConfigError(f"{out_dir} holds a run with another config ({'; '.join(diff)}); "
+                          "use another --out or remove that directory")
+    if previous.get("status") in FINISHED:
+        log(f"[train] {out_dir}: already {previous['status']} at step {previous.get('last_step')}; nothing to do")
+        return TrainResult(previous["status"], previous.get("last_step", 0), 0, out_dir)
+    return None
+
+
+def _resume(cfg: TrainConfig, out_dir: Path, files: RunFiles, previous: dict | None, fingerprint: str,
+            log) -> Path | None:
+    """The checkpoint to resume from (None: step 0); metrics.jsonl cut back to it and run.json started anew,
+    carrying the previous wall time, resume steps and incomplete checkpoints set aside."""
     from roundalign.training import distributed as D
     from roundalign.training.checkpoints import latest_complete, step_of
 
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out_dir / "checkpoints"
     # every rank reads the same directory: rank 0 sets incomplete checkpoints aside, the others wait and then look
     resume, aside = latest_complete(ckpt_dir, log=log) if D.is_main() else (None, [])
     D.barrier()
@@ -520,54 +452,52 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     kept = truncate_metrics(files.metrics_path, resume_step)
     files.start(previous, resume_step or None)
     files.record["model_fingerprint"] = fingerprint
-    files.write()
     earlier = (previous or {}).get("incomplete_checkpoints", [])
     if earlier or aside:  # what was set aside, and why, stays on record across resumes
         files.record["incomplete_checkpoints"] = [*earlier, *aside]
-        files.write()
+    files.write()
     if aside and resume is None:
         log(f"[train] {out_dir}: no complete checkpoint is left; restarting from step 0")
     log(f"[train] {out_dir}: " + (f"resuming from {resume.name} ({kept} metric lines kept)" if resume
                                    else f"starting {cfg.variant} seed {cfg.seed} on {cfg.backend}/{cfg.engine}"))
-    t0 = time.perf_counter()
-    from roundalign.training.deadline import RunState
+    return resume
 
-    state = RunState(resume_state=_read_json(resume / "roundalign_state.json") if resume else None)
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: state.request_stop("signal"))
-    # SIGUSR1 = an early warning from `srun --signal=USR1@N` in hand-written batch scripts (deadline.py)
+
+@contextlib.contextmanager
+def _stop_requests(state):
+    """SIGTERM (the scheduler's preemption) and SIGUSR1 (an early warning from ``srun --signal=USR1@N`` in
+    hand-written batch scripts, deadline.py) ask the run to checkpoint and stop at the end of the step."""
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: state.request_stop("signal"))
     previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: state.request_stop("signal"))
     try:
-        trainer = _build_trainer(cfg, ckpt_dir, files, state, callbacks, log)
-        from roundalign.engine import NonFiniteLogitsError
-
-        try:
-            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-        except NonFiniteLogitsError as exc:
-            state.collapse = {"step": trainer.state.global_step + 1, "reason": str(exc)}
-        status = "collapsed" if state.collapse else "preempted" if state.stop_requested else "done"
-        if status == "done":
-            save_final_policy(trainer, out_dir / "final")
-        files.record["last_step"] = trainer.state.global_step
-        files.record["collapse"] = state.collapse
-        if status == "preempted":
-            files.record["preempted_by"] = state.stopped_by
-        files.record["collapse_event"] = collapse_event(files.record)
-        code = cfg.collapse_exit_code if status == "collapsed" else EXIT_PREEMPTED if status == "preempted" else 0
-    except BaseException as exc:
-        files.record.update(status="failed", error=f"{type(exc).__name__}: {exc}",
-                            wall_time_s=files.record.get("wall_time_s", 0.0) + time.perf_counter() - t0)
-        if files.record.get("config"):
-            files.write()
-        raise
+        yield
     finally:
-        signal.signal(signal.SIGTERM, previous_handler)
+        signal.signal(signal.SIGTERM, previous_term)
         signal.signal(signal.SIGUSR1, previous_usr1)
-    files.record.update(status=status, exit_code=code,
-                        wall_time_s=round(files.record["wall_time_s"] + time.perf_counter() - t0, 3))
-    files.write()
-    log(f"[train] {out_dir}: {status} at step {files.record['last_step']}"
-        + (f" ({state.collapse['reason']})" if state.collapse else ""))
-    return TrainResult(status, files.record["last_step"], code, out_dir)
+
+
+def _train(trainer, resume: Path | None, state) -> None:
+    """TRL's training loop; non-finite engine logits end it as a collapse at the step they were sampled for."""
+    from roundalign.engine import NonFiniteLogitsError
+
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except NonFiniteLogitsError as exc:
+        state.collapse = {"step": trainer.state.global_step + 1, "reason": str(exc)}
+
+
+def _finalize(trainer, cfg: TrainConfig, out_dir: Path, files: RunFiles, state) -> tuple[str, int]:
+    """The run's status and exit code, the final policy of a run that is done, and the run's record."""
+    status = "collapsed" if state.collapse else "preempted" if state.stop_requested else "done"
+    if status == "done":
+        save_final_policy(trainer, out_dir / "final")
+    files.record["last_step"] = trainer.state.global_step
+    files.record["collapse"] = state.collapse
+    if status == "preempted":
+        files.record["preempted_by"] = state.stopped_by
+    files.record["collapse_event"] = collapse_event(files.record)
+    code = cfg.collapse_exit_code if status == "collapsed" else EXIT_PREEMPTED if status == "preempted" else 0
+    return status, code
 
 
 COLLAPSE_KINDS = ("nonfinite", "reward", "grad_norm")
@@ -611,33 +541,18 @@ def save_final_policy(trainer, dest: Path) -> None:
     D.barrier()
 
 
-def _engine_norm_sum_orders(trainer, cfg: TrainConfig, log) -> list | None:
-    """The colocated compiled CPU engine's RMSNorm reduction orders, read from its Inductor code, for a variant that
-    aligns the norm; None where there is nothing to read (another engine or variant, or a server-mode engine in
-    another process: then the norms keep their own reductions, and the log says so)."""
-    if cfg.backend != "vllm" or cfg.engine != "vllm-cpu-compiled" or cfg.alignment not in ("norm", "full"):
-        return None
-    if cfg.vllm_mode != "colocate":
-        log("[train] server-mode engine: its norms' reduction orders cannot be read from here; the trainer's norms "
-            "keep their own (a few tokens may differ, docs/numerics.md)")
-        return None
-    from roundalign.bridge.vllm_cpu import engine_norm_sum_orders
-
-    from roundalign.bridge.vllm_internals import colocated_llm
-
-    return engine_norm_sum_orders(colocated_llm(trainer))
-
-
-def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state, callbacks, log):
-    import contextlib
-
+def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, callbacks, log):
+    """The policy (loaded, aligned), the engine (emulated, or real vLLM built by TRL) and TRL's GRPOTrainer."""
     import torch
-    from transformers import set_seed
+    from transformers import PrinterCallback, set_seed
 
-    from roundalign.models.load import load_model, load_tokenizer, vllm_dtype
+    from roundalign.envinfo import torch_threads
+    from roundalign.models.load import load_model, load_tokenizer
     from roundalign.numerics import apply_alignment
-    from roundalign.numerics.plan import CPU_ENGINES
-    from roundalign.training.trl_bridge import RoundalignGRPOTrainer, bridge_emulated_engine, vllm_llm_overrides
+    from roundalign.training.callbacks import RunCallback
+    from roundalign.training.deadline import make_deadline_callback
+    from roundalign.training.engine_setup import after_trainer, before_trainer
+    from roundalign.training.trl_bridge import RoundalignGRPOTrainer, bridge_emulated_engine
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     set_seed(cfg.seed)
@@ -648,8 +563,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state, ca
     # which registers transformers' HfDeepSpeedConfig (transformers/training_args.py, step "12. DeepSpeed";
     # accelerate/utils/dataclasses.py DeepSpeedPlugin.set_deepspeed_weakref), so a model loaded afterwards is
     # created under deepspeed.zero.Init (zero3_init_flag) and each rank holds only its shard, not the full model.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = build_grpo_args(cfg, ckpt_dir, world)
+    args = build_grpo_args(cfg, ckpt_dir, int(os.environ.get("WORLD_SIZE", "1")))
     model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
     model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
     dataset, reward_fn = _dataset(cfg, tokenizer)
@@ -661,56 +575,17 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state, ca
                         norm_reduction=cfg.engine_norm_reduction, attn_decode=cfg.engine_attn_decode,
                         lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=cfg.engine_kv_cache_dtype)
     apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
-    llm_overrides = {}
-    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
-        from roundalign.bridge.vllm_cpu import install_live_gemm_dispatch, small_kv_cache
-
-        # vLLM-CPU prepacks its GEMM weights and drops the parameters TRL's sync writes: run F.linear on the live
-        # parameters instead (installed before TRL builds the LLM; roundalign.bridge.vllm_cpu, tests/vllm_cpu)
-        install_live_gemm_dispatch()
-        small_kv_cache()
-    if cfg.backend == "vllm":
-        if cfg.engine in ("vllm-eager", "vllm-cpu-eager"):
-            llm_overrides["enforce_eager"] = True
-        if cfg.dtype in ("fp16", "fp32"):
-            llm_overrides["dtype"] = vllm_dtype(cfg.dtype)
-    ctx = vllm_llm_overrides(**llm_overrides) if llm_overrides and cfg.vllm_mode == "colocate" \
-        else contextlib.nullcontext()
-    if llm_overrides and cfg.vllm_mode == "server":
-        log(f"[train] server mode: start the server with the matching options: trl vllm-serve --model {cfg.model} "
-            + ("--enforce_eager " if cfg.engine == "vllm-eager" else "")
-            + ("--dtype float16 " if cfg.dtype == "fp16" else "") + "--logprobs_mode processed_logprobs")
-    from roundalign.training.deadline import make_deadline_callback
-
     deadline = make_deadline_callback(state, log=log)  # checkpoint before the job's time limit (None: no limit)
-    with ctx:
+    with before_trainer(cfg, log):
         trainer = RoundalignGRPOTrainer(
             model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer,
             rollout_func=make_rollout(engine, tokenizer, cfg) if engine is not None else None,
-            callbacks=[_make_callback(files, cfg, state, log), *callbacks, *([deadline] if deadline else [])])
-    from transformers import PrinterCallback
-
+            callbacks=[RunCallback(files, cfg, state, log), *callbacks, *([deadline] if deadline else [])])
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
-    orders = None
-    if cfg.backend == "vllm":
-        from roundalign.bridge.vllm_guard import guard_trainer
-
-        # what decides the real engine's rounding map, in run.json; stops here (before step 1) on a mismatch
-        files.record["vllm_engine"] = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
-        if cfg.engine in CPU_ENGINES:
-            from roundalign.bridge.vllm_cpu import LIVE_GEMM, engine_kernels
-
-            from roundalign.bridge.vllm_internals import colocated_llm
-
-            kernels = engine_kernels(colocated_llm(trainer))  # which GEMM path the engine runs, in run.json
-            files.record["vllm_engine"]["kernels"] = kernels
-            if set(kernels.get("gemm", {})) != {LIVE_GEMM}:
-                raise RuntimeError(f"vLLM-CPU engine's GEMMs are {kernels.get('gemm')}, not {LIVE_GEMM!r} on every "
-                                   "linear layer: TRL's weight sync would not reach them")
-        orders = _engine_norm_sum_orders(trainer, cfg, log)
-        if orders is not None:  # the norms sum their squares as the engine's fused kernels do (apply_alignment)
-            apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
-            files.record["vllm_engine"]["norm_sum_orders"] = [f"{v}x{n}" for v, n in orders]
+    # the real engine's checks (stops here, before step 1, on a mismatch) and what decides its rounding, in run.json
+    record, orders = after_trainer(trainer, model, cfg, log)
+    if record is not None:
+        files.record["vllm_engine"] = record
         files.write()
     if getattr(trainer, "ref_model", None) is not None:
         # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
@@ -721,7 +596,5 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: _RunFiles, state, ca
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
     if engine is not None:
         state.sync = bridge_emulated_engine(trainer, engine, model)
-    from roundalign.envinfo import torch_threads
-
     torch.set_num_threads(torch_threads())
     return trainer
