@@ -63,6 +63,30 @@ def test_default_inductor_moves_stock_and_aligned_alike(arch):
     assert moved["baseline"] > 0.3 and moved["full"] > 0.3, moved
 
 
+def test_compiling_an_aligned_model_without_emulated_casts_warns_once(monkeypatch):
+    # Inductor's default drops the aligned regions' bf16 roundings (above): a user who compiles an aligned model
+    # that way is told, once; with the option, another backend, or a stock model, nothing is said
+    import warnings
+
+    from roundalign.numerics import patch
+
+    def warnings_of(model, **compile_kwargs):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _forward(torch.compile(model, **compile_kwargs), hidden=False)
+        return [str(w.message) for w in caught if "emulate_precision_casts" in str(w.message)]
+
+    monkeypatch.setattr(patch, "_warned_compile_options", False)
+    model = _model("qwen3")
+    assert warnings_of(model, options=EMULATE) == []
+    assert warnings_of(model, backend="aot_eager") == []
+    assert warnings_of(random_qwen("qwen3", attn="sdpa", layers=1)) == []  # stock: no aligned forward traced
+    first = warnings_of(model)
+    assert len(first) == 1 and "torch.compile(model, options=" in first[0]
+    assert warnings_of(model) == []  # once per process
+
+
 def test_compiled_model_does_not_recompile_on_a_repeated_call():
     # the carrier slot is emptied by the final norm: the next call sees the same (empty) state, no new guards fail.
     # Compiled before any eager call, so without output_hidden_states: transformers 5.17's output capture takes

@@ -59,7 +59,8 @@ Guarantees (each enforced by a test in ``tests/test_patch.py`` / ``tests/test_en
 - ``torch.compile(model, fullgraph=True, options={"emulate_precision_casts": True})`` of an aligned model is
   bitwise the eager aligned model (logits and hidden states, sdpa attention, both kernel modes), does not
   recompile on a repeated call, and trains (``tests/test_torch_compile.py``). Inductor's default elides
-  bf16 roundings between fused ops in stock and aligned models alike (docs/numerics.md).
+  bf16 roundings between fused ops in stock and aligned models alike (docs/numerics.md); compiling an aligned
+  model that way warns, once per process.
 
 The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinned);
 ``tests/test_patch.py::test_forwards_mirror_stock_transformers`` fails loudly when they drift.
@@ -83,6 +84,45 @@ _PLAN_ATTR = "_roundalign_plan"  # RoundingPlan on each patched submodule
 _KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace on each patched submodule
 _OWN_CONFIG_ATTR = "_roundalign_own_config"  # the config copy apply_alignment made for this model
 _SUM_ORDER_ATTR = "_roundalign_sum_order"  # (vec, n) on an aligned RMSNorm: its engine kernel's reduction order
+
+
+_warned_compile_options = False
+
+
+def _check_compile_options(ctx) -> None:
+    """Run by Dynamo while it traces an aligned forward (``comptime``: at trace time, adding nothing to the graph):
+    warn once when the backend is Inductor without ``emulate_precision_casts``, which fuses the aligned regions with
+    their neighbours and drops the bf16 roundings they keep, so the model no longer rounds where the engine does.
+    Other backends (eager, aot_eager, a callable of one's own) keep every rounding or cannot be told apart."""
+    global _warned_compile_options
+    if _warned_compile_options:
+        return
+    import torch._inductor.config as inductor_config
+
+    backend = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.compiler_fn
+    for _ in range(4):  # torch.compile's Inductor wrapper, under Dynamo's debug wrapper
+        if isinstance(backend, torch._TorchCompileInductorWrapper):
+            break
+        backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
+    else:
+        return
+    if backend.config.get("emulate_precision_casts", inductor_config.emulate_precision_casts):
+        return
+    _warned_compile_options = True
+    import warnings
+
+    warnings.warn(
+        "an aligned roundalign model is being compiled by Inductor without emulate_precision_casts: Inductor fuses "
+        "the aligned regions and drops the bf16 roundings they keep, so the model no longer rounds where the engine "
+        "does. Compile it with torch.compile(model, options={\"emulate_precision_casts\": True}) "
+        "(docs/numerics.md).", stacklevel=2)
+
+
+def _while_compiling() -> None:
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_check_compile_options)
 
 
 def decoder_trunk(model: nn.Module) -> nn.Module:
@@ -147,6 +187,7 @@ class _AlignedRMSNorm:
         (``fp32-read``) or the fp32 sum itself (``fp32``/``fp32-stream``: it feeds the next add unrounded).
         A Qwen3 q/k norm feeding RoPE in one fused kernel is called with ``_roundalign_fp32=True`` and returns its
         unrounded fp32 value, which RoPE reads."""
+        _while_compiling()
         K = _kernels(self)
         plan: RoundingPlan = getattr(self, _PLAN_ATTR)
         order = {"sum_order": o} if (o := getattr(self, _SUM_ORDER_ATTR, None)) is not None else {}
@@ -218,6 +259,7 @@ class _AlignedDecoderLayer:
 
 class _AlignedMLP:
     def forward(self, x):
+        _while_compiling()
         return self.down_proj(_kernels(self).swiglu_fused(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -245,6 +287,7 @@ def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.
 class _AlignedAttention:
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         """Stock Qwen2/Qwen3 attention forward with the q/k norm + RoPE step per the plan."""
+        _while_compiling()
         plan: RoundingPlan = getattr(self, _PLAN_ATTR)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
