@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import sys
 
 
@@ -176,6 +177,54 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--gpu-memory-utilization", type=float, default=0.45,
                     help="fraction of GPU memory vLLM may take while it samples (vllm backend; default 0.45)")
 
+    at = sub.add_parser("attribute", help="where the train-vs-engine mismatch comes from: sources equalized one by "
+                        "one at identical weights (attribution.csv, attribution.json, waterfall.png)")
+    from roundalign.probes import attribute as A
+
+    at.add_argument("--model", required=True, help="model directory (or a cached hub id)")
+    at.add_argument("--engine", default="vllm-cpu-eager", help=f"engine mode (and the rounding 'rounding' aligns to): "
+                    f"{', '.join(ENGINES)} (default vllm-cpu-eager)")
+    at.add_argument("--backend", default="vllm", choices=A.BACKENDS,
+                    help="vllm: real vLLM samples (its CPU build for vllm-cpu-*, CUDA vLLM on a GPU); emulated: the "
+                         "emulated engine (default vllm)")
+    at.add_argument("--out", required=True, help="output directory")
+    at.add_argument("--prompts", type=int, default=16, help="number of prompts, one completion each (default 16)")
+    at.add_argument("--max-new-tokens", type=int, default=24, help="completion cap, tokens (default 24)")
+    at.add_argument("--context-tokens", type=int, default=0,
+                    help="random filler tokens before each prompt, to measure at far positions (default 0)")
+    at.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    at.add_argument("--top-p", type=float, default=1.0, help="vLLM's top-p (default 1.0 = off)")
+    at.add_argument("--top-k", type=int, default=0, help="vLLM's top-k (default 0 = off)")
+    at.add_argument("--logprobs-mode", default="processed_logprobs", choices=A.LOGPROBS_MODES,
+                    help="what vLLM returns for the sampled tokens (default processed_logprobs, as TRL asks for)")
+    at.add_argument("--micro-batch", type=int, default=4,
+                    help="the trainer's micro-batch for the batching source: sequences scored together, padded "
+                         "(TRL's per_device_train_batch_size; default 4)")
+    at.add_argument("--trainer-attn", default="sdpa", choices=A.TRAINER_ATTNS,
+                    help="the trainer's own attention before the attention source is equalized (default sdpa)")
+    at.add_argument("--engine-attn", default="eager",
+                    help=f"emulated engine's attention: {', '.join(ENGINE_ATTN_IMPLS)} (default eager; real vLLM-CPU "
+                         "runs its own kernel)")
+    at.add_argument("--engine-attn-decode", default=None,
+                    help="emulated engine's attention of decode steps (default: --engine-attn)")
+    at.add_argument("--trainer-lm-head-fp32", action="store_true",
+                    help="the trainer computes its LM head in fp32 (TRL's cast_lm_head_to_fp32) before the lm_head "
+                         "source is equalized")
+    at.add_argument("--engine-lm-head-fp32", action="store_true",
+                    help="the emulated engine computes its LM head in fp32 (real vLLM 0.31.0 has no such option)")
+    at.add_argument("--engine-gemm", default=None,
+                    help=f"vllm: {', '.join(A.VLLM_GEMMS)} (vLLM-CPU's own prepacked GEMM, default; or F.linear on "
+                         f"live weights, as training runs it); emulated: {', '.join(ENGINE_GEMMS)} (default same)")
+    at.add_argument("--splitk-chunk", type=int, default=64, help="emulated splitk GEMM's K-chunk, elements (default 64)")
+    at.add_argument("--kv-cache-dtype", default="auto",
+                    help="emulated engine's KV-cache storage: auto (default), fp8_e4m3, fp8_e5m2")
+    at.add_argument("--sources", type=_csv_list, default=A.SOURCES,
+                    help=f"comma-separated sources to equalize, in this order: {','.join(A.SOURCES)} (default all "
+                         "the backend has)")
+    at.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples over prompts (default 1000)")
+    at.add_argument("--dtype", default="bf16", help="model dtype: bf16, fp16, fp32 (default bf16)")
+    at.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default 0)")
+
     tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)",
                         epilog=train_settings_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     for key in TRAIN_FLAGS[:3]:
@@ -281,6 +330,31 @@ def run_probe_cli(args) -> None:
         run_probe(cfg, args.out)
 
 
+def run_attribute_cli(args) -> None:
+    from roundalign.probes.attribute import AttributeConfig, run_attribute
+
+    cfg = AttributeConfig(model=args.model, engine=args.engine, backend=args.backend, num_prompts=args.prompts,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, logprobs_mode=args.logprobs_mode,
+                          micro_batch=args.micro_batch, context_tokens=args.context_tokens,
+                          trainer_attn=args.trainer_attn, engine_attn=args.engine_attn,
+                          engine_attn_decode=args.engine_attn_decode, trainer_lm_head_fp32=args.trainer_lm_head_fp32,
+                          engine_lm_head_fp32=args.engine_lm_head_fp32, engine_gemm=args.engine_gemm,
+                          splitk_chunk=args.splitk_chunk, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                          num_resamples=args.resamples, sources=tuple(args.sources))
+    _setup_runtime()
+    from roundalign.numerics.plan import CPU_ENGINES
+
+    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's model readable in this process
+    rows = run_attribute(cfg, args.out)
+    from roundalign.analysis.plots.fig_attribution import draw_waterfall
+
+    path = draw_waterfall(rows, Path(args.out) / "waterfall.png",
+                          title=f"{Path(cfg.model.rstrip('/')).name}: {cfg.engine} ({cfg.backend})")
+    print(f"[attribute] wrote {path}")
+
+
 def run_train_cli(args) -> int:
     from roundalign.training.config import build_config, parse_set
     from roundalign.training.train import run_train
@@ -335,7 +409,7 @@ def run_plot(args) -> None:
                 jobs=args.jobs)
 
 
-VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "train": run_train_cli,
+VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "attribute": run_attribute_cli, "train": run_train_cli,
          "pretrain-tiny": run_pretrain_tiny, "aggregate": run_aggregate, "plot": run_plot,
          "plot-stress": run_plot_stress,
          "fetch-model": run_fetch_model, "prepare-data": run_prepare_data}
@@ -359,7 +433,7 @@ def claim_free_master_port() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = (make_figure_parser() if argv[:1] and argv[0] in FIGURE_VERBS else make_parser()).parse_args(argv)
-    if args.verb in ("train", "pretrain-tiny", "probe"):
+    if args.verb in ("train", "pretrain-tiny", "probe", "attribute"):
         claim_free_master_port()
     try:
         code = VERBS[args.verb](args)

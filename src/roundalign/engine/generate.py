@@ -98,6 +98,38 @@ class Engine:
                 out[i] = s
         return out  # type: ignore[return-value]
 
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], completions: list[list[int]], *, temperature: float = 1.0,
+              decode: bool = True) -> list[Tensor]:
+        """The engine's fp32 logprob of each given completion token (nats).
+
+        ``decode=True``: the tokens replayed through KV-cache decoding exactly as ``generate`` would have sampled
+        them (the same prompt-length groups, decoded in lockstep), so the engine's own samples get back their
+        sampling logprobs bit for bit. ``decode=False``: each prompt + completion in one prefill."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        if decode:
+            groups: dict[int, list[int]] = defaultdict(list)
+            for i, p in enumerate(prompts):
+                groups[len(p)].append(i)
+            out: list[Tensor | None] = [None] * len(prompts)
+            for _, members in sorted(groups.items()):
+                forced = [completions[i] for i in members]
+                with torch.device(self.model.embed.device):
+                    samples = self._generate_group_on_device([prompts[i] for i in members], members,
+                                                             max(map(len, forced)), temperature, 0, None, False,
+                                                             forced=forced)
+                for i, s in zip(members, samples):
+                    out[i] = s.logprobs
+            return out  # type: ignore[return-value]
+        res = []
+        with torch.device(self.model.embed.device):
+            for p, c in zip(prompts, completions):
+                logits = self.model.forward(torch.tensor([p + c[:-1]]), self.model.new_cache())[0, len(p) - 1:]
+                logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+                res.append(logp.gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1).cpu())
+        return res
+
     def _generate_group(self, prompts, indices, max_new_tokens, temperature, seed, eos_token_id, record):
         # The engine runs on the device of its weights (a GPU for paper-scale probes): engine/model.py creates
         # masks and positions without a device, so its forwards run under that default device. Sampling stays on
@@ -106,7 +138,8 @@ class Engine:
             return self._generate_group_on_device(prompts, indices, max_new_tokens, temperature, seed, eos_token_id,
                                                   record)
 
-    def _generate_group_on_device(self, prompts, indices, max_new_tokens, temperature, seed, eos_token_id, record):
+    def _generate_group_on_device(self, prompts, indices, max_new_tokens, temperature, seed, eos_token_id, record,
+                                  forced: list[list[int]] | None = None):
         bsz = len(prompts)
         gens = [torch.Generator(device="cpu").manual_seed(_sample_seed(seed, i)) for i in indices]
         cache = self.model.new_cache()
@@ -125,7 +158,9 @@ class Engine:
                 raise NonFiniteLogitsError(f"engine logits contain NaN/inf at completion position {step}")
             nxt = []
             for b in range(bsz):
-                if temperature == 0:
+                if forced is not None:  # score(): the given token; a finished row keeps decoding its last one
+                    t = forced[b][min(step, len(forced[b]) - 1)]
+                elif temperature == 0:
                     t = int(torch.argmax(logp[b]))
                 else:
                     t = int(torch.multinomial(logp[b].exp().cpu(), 1, generator=gens[b]))
@@ -133,7 +168,8 @@ class Engine:
                 if not done[b]:
                     tokens[b].append(t)
                     logps[b].append(logp[b, t])
-                    done[b] = eos_token_id is not None and t == eos_token_id
+                    done[b] = (eos_token_id is not None and t == eos_token_id) or (
+                        forced is not None and len(tokens[b]) == len(forced[b]))
             if all(done) or step == max_new_tokens - 1:
                 break
             step_states = [] if record else None

@@ -328,3 +328,23 @@ def vllm_llm_overrides(**llm_kwargs):
         yield
     finally:
         vllm_generation.LLM = original
+
+
+@torch.no_grad()
+def trl_recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                           temperature: float, cast_lm_head_to_fp32: bool = False) -> torch.Tensor:
+    """The per-token logprobs TRL 1.16's GRPOTrainer recomputes for the last ``logits_to_keep`` tokens, by its own
+    code: the fused LM head TRL installs (``trl.trainer.utils.add_fused_lm_head``, at the run's temperature) called
+    as ``_get_per_token_logps_and_entropies`` calls it (labels -100 outside the completion, ``fused_lm_head=True``).
+    The model is left as it was (the head TRL installs is an instance ``forward``, removed afterwards). Padded
+    positions are 0. Shape (B, logits_to_keep)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    try:
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        return out.log_probs[:, -logits_to_keep:]
+    finally:
+        del model.forward

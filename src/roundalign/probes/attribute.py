@@ -1,0 +1,593 @@
+"""Where the mismatch comes from: the engine's logprobs of its own samples against the trainer's, at identical
+weights, with the sources of the difference equalized one by one (``roundalign attribute``).
+
+    roundalign attribute --model work/models/cpu-qwen3 --engine vllm-cpu-eager --backend vllm --out DIR
+    roundalign attribute --model work/models/tiny-qwen3 --engine vllm-compiled --backend emulated \\
+        --engine-gemm splitk --kv-cache-dtype fp8_e4m3 --out DIR
+
+The engine samples one completion per prompt and reports each sampled token's logprob, as an RL rollout does.
+The trainer then scores the same tokens. Every difference between the two numbers comes from one of these
+sources, each equalized by making one side compute what the other does:
+
+==========  ===========================================================  ==========================================
+source      not equalized (what an RL stack does by default)             equalized
+==========  ===========================================================  ==========================================
+sampling    the trainer recomputes as TRL 1.16 does: its fused LM head    the trainer computes what the engine
+            (``trl.trainer.utils.add_fused_lm_head``), log-softmax of     returned: vLLM's sampler, in its
+            logits / T over the whole vocabulary                          ``logprobs_mode`` (temperature, top-k/top-p
+                                                                          mask, fp32 log-softmax; vLLM's own
+                                                                          ``apply_top_k_top_p``)
+decode      the engine's logprobs of its sampled tokens, from KV-cache    the engine's logprobs of the same tokens in
+            decoding                                                     one prefill of prompt + completion
+batching    the trainer scores micro-batches of ``micro_batch``           one sequence per forward, no padding
+            sequences, prompts left-padded and completions right-padded
+            to the longest (TRL's layout)
+lm_head     the trainer's LM head in its own precision (fp32 with TRL's   the trainer's LM head in the engine's
+            ``cast_lm_head_to_fp32``, ``--trainer-lm-head-fp32``)         precision (bf16 for real vLLM; the emulated
+                                                                          engine can run fp32, ``--engine-lm-head-fp32``)
+kv_cache    the engine stores K/V in fp8                                  the trainer rounds its K/V through the same
+                                                                          fp8 (emulated)
+gemm        the trainer's ``F.linear``                                    the engine's GEMM: vLLM-CPU's own dispatch
+                                                                          (oneDNN/SGL, prepacked) or the emulated
+                                                                          split-K
+attention   the trainer's attention (``--trainer-attn``, sdpa)            the engine's attention kernel
+rounding    stock transformers numerics (variant ``baseline``)            variant ``full``
+==========  ===========================================================  ==========================================
+
+The cumulative waterfall equalizes them in that order (SOURCES): first how the two logprobs are computed and
+compared (sampling, decode, batching), then the engine-only settings (lm_head, kv_cache), then the kernels (gemm,
+attention), and last the roundings this project aligns, so that its last steps show what the alignment and the
+engine's attention remove. Each source is also equalized alone, against none. A source the backend or the settings
+do not have (a GEMM that already is ``F.linear``, an engine that stores K/V as computed, an fp32 head real vLLM
+0.31.0 has no option for, vLLM's prefill logprobs away from T = 1 without top-k/top-p) is reported as absent, with
+the reason, and skipped.
+
+Outputs in ``--out``:
+
+- ``attribution.csv``, long form ``step,source,mode,metric,value,ci_low,ci_high``: step 0 is ``none``; ``mode``
+  is ``cumulative`` or ``alone``; metrics ``k3`` (mean per-token KL estimator, nats), ``abs_dlogp`` (mean
+  |logp_train - logp_engine|, nats), ``exact_frac`` (tokens whose two logprobs are equal bit for bit),
+  ``seq_log_ratio`` (mean over sequences of sum(logp_train - logp_engine)), ``is_ratio_mean`` and ``is_ratio_max``
+  (the sequence-level importance ratio exp(seq log ratio)), and ``k3_removed`` (the k3 a step removes: the
+  previous step's minus its own in cumulative mode, none's minus its own alone). Intervals: 95% percentile
+  bootstrap over prompts, the same resamples for every step, so ``k3_removed`` is a paired difference.
+- ``attribution.json``: the settings, the engine's settings as the probe records them, which sources were
+  present and why the others were not, versions.
+- ``waterfall.png``: the cumulative k3 by step and each source's share, with intervals.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from roundalign.engine.choices import ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES
+from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
+
+SOURCES = ("sampling", "decode", "batching", "lm_head", "kv_cache", "gemm", "attention", "rounding")
+BACKENDS = ("vllm", "emulated")
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's, for the sampled tokens' logprobs
+VLLM_GEMMS = ("native", "live")  # vLLM-CPU: its own prepacked GEMM, or F.linear on live weights (training's)
+METRICS = ("k3", "abs_dlogp", "exact_frac", "seq_log_ratio", "is_ratio_mean", "is_ratio_max")
+TRAINER_ATTNS = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class AttributeConfig:
+    """Settings of one attribution (``roundalign attribute --help`` shows each)."""
+
+    model: str
+    engine: str = "vllm-cpu-eager"
+    backend: str = "vllm"
+    num_prompts: int = 16
+    max_new_tokens: int = 24
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    logprobs_mode: str = "processed_logprobs"
+    micro_batch: int = 4
+    context_tokens: int = 0
+    trainer_attn: str = "sdpa"
+    engine_attn: str = "eager"
+    engine_attn_decode: str | None = None
+    engine_gemm: str | None = None
+    splitk_chunk: int = 64
+    kv_cache_dtype: str = "auto"
+    trainer_lm_head_fp32: bool = False
+    engine_lm_head_fp32: bool = False
+    dtype: str = "bf16"
+    num_resamples: int = 1000
+    sources: tuple[str, ...] = field(default=SOURCES)
+    # Negative controls (tests): sources whose step is still taken and labelled, but whose equalization is skipped
+    undo: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        from roundalign.engine.model import check_choice
+        from roundalign.numerics.plan import CPU_ENGINES, check_engine
+
+        check_engine(self.engine)
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("logprobs mode", self.logprobs_mode, LOGPROBS_MODES)
+        check_choice("trainer attention", self.trainer_attn, TRAINER_ATTNS)
+        check_choice("KV-cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        for s in (*self.sources, *self.undo):
+            check_choice("source", s, SOURCES)
+        if self.backend == "vllm":
+            check_choice("engine GEMM (backend vllm)", self.gemm, VLLM_GEMMS)
+            if self.engine not in CPU_ENGINES and self.gemm == "live":
+                raise ValueError("--engine-gemm live is the CPU build's F.linear dispatch; a GPU engine runs its own")
+            if self.engine_lm_head_fp32:
+                raise ValueError("--engine-lm-head-fp32 is the emulated engine's (backend emulated): real vLLM 0.31.0 "
+                                 "computes its LM head in the model dtype")
+            if self.kv_cache_dtype != "auto":
+                raise ValueError("--kv-cache-dtype is the emulated engine's (backend emulated); real vLLM's fp8 KV "
+                                 "cache is not measured here")
+        else:
+            check_choice("engine GEMM (backend emulated)", self.gemm, ENGINE_GEMMS)
+            check_choice("engine attention", self.engine_attn, ENGINE_ATTN_IMPLS)
+            if self.engine_attn_decode is not None:
+                check_choice("engine decode attention", self.engine_attn_decode, ENGINE_ATTN_IMPLS)
+            if self.top_p != 1.0 or self.top_k != 0 or self.logprobs_mode != "processed_logprobs":
+                raise ValueError("top-p/top-k and logprobs modes are vLLM's sampler's (backend vllm); the emulated "
+                                 "engine samples with temperature only")
+        for name in ("num_prompts", "max_new_tokens", "micro_batch", "splitk_chunk", "num_resamples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def gemm(self) -> str:
+        return self.engine_gemm or ("native" if self.backend == "vllm" else "same")
+
+    @property
+    def sampling_is_plain(self) -> bool:
+        """Temperature 1, no top-k/top-p: the sampler's processed logprobs are the raw log-softmax."""
+        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine's side
+
+
+@dataclass
+class EngineData:
+    """What the engine gives: its samples, their logprobs from decoding, the same tokens' logprobs from one
+    prefill (None where the backend cannot give them), and the engine's settings."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    decode_logp: list[torch.Tensor]
+    prefill_logp: list[torch.Tensor] | None
+    settings: dict
+    norm_sum_orders: list | None = None
+
+
+def emulated_engine_side(model, prompts, cfg: AttributeConfig, eos_token_id, log=print) -> EngineData:
+    """The emulated engine samples; the same tokens are then scored in one prefill."""
+    from roundalign.engine import Engine
+
+    engine = Engine(model, engine=cfg.engine, attn=cfg.engine_attn, gemm=cfg.gemm, splitk_chunk=cfg.splitk_chunk,
+                    kv_cache_dtype=cfg.kv_cache_dtype, lm_head_fp32=cfg.engine_lm_head_fp32,
+                    attn_decode=cfg.engine_attn_decode)
+    samples = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              seed=cfg.seed, eos_token_id=eos_token_id)
+    completions = [s.completion_ids for s in samples]
+    prefill = engine.score(prompts, completions, temperature=cfg.temperature, decode=False)
+    settings = {"backend": "emulated", "engine": cfg.engine, "attn": cfg.engine_attn,
+                "attn_decode": cfg.engine_attn_decode or cfg.engine_attn, "gemm": cfg.gemm,
+                "kv_cache_dtype": cfg.kv_cache_dtype, "lm_head_fp32": cfg.engine_lm_head_fp32}
+    log(f"[attribute] emulated {cfg.engine} engine: {len(samples)} samples, "
+        f"{sum(map(len, completions))} completion tokens")
+    return EngineData(prompts, completions, [s.logprobs for s in samples], prefill, settings, None)
+
+
+def vllm_engine_side(prompts, cfg: AttributeConfig, log=print) -> EngineData:
+    """Real vLLM (the CPU build here, CUDA vLLM on a GPU) samples with the given sampling settings and returns
+    its logprobs in ``logprobs_mode``; then scores the same tokens in one prefill each (``prompt_logprobs``: the
+    raw log-softmax, which is the processed one at T = 1 without top-k/top-p, and only there comparable)."""
+    import vllm
+
+    from roundalign.bridge.vllm_guard import check_engine_map
+    from roundalign.models.load import vllm_dtype
+    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.probes.probe_real import shutdown_llm, teacher_forced
+
+    cpu = cfg.engine in CPU_ENGINES
+    if cpu:
+        from roundalign.bridge import vllm_cpu
+
+        vllm_cpu.small_kv_cache()
+        (vllm_cpu.install_live_gemm_dispatch if cfg.gemm == "live" else vllm_cpu.uninstall_live_gemm_dispatch)()
+    max_len = max(map(len, prompts)) + cfg.max_new_tokens + 8
+    kwargs = {} if cpu else {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.45}
+    llm = vllm.LLM(model=cfg.model, dtype=vllm_dtype(cfg.dtype), seed=cfg.seed,
+                   enforce_eager=cfg.engine.endswith("-eager"), max_model_len=max_len,
+                   logprobs_mode=cfg.logprobs_mode, **kwargs)
+    try:
+        settings = {"backend": "vllm", **check_engine_map(llm, cfg.engine, log=log), "gemm": cfg.gemm,
+                    "logprobs_mode": cfg.logprobs_mode}
+        orders = None
+        if cpu:
+            from roundalign.bridge.vllm_cpu import engine_kernels, engine_norm_sum_orders
+
+            settings["kernels"] = engine_kernels(llm)
+            if cfg.engine == "vllm-cpu-compiled":
+                orders = engine_norm_sum_orders(llm)
+                settings["norm_sum_orders"] = [list(o) for o in orders]
+        params = [vllm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=0.0,
+                                      seed=cfg.seed * 1_000_003 + i, max_tokens=cfg.max_new_tokens, logprobs=0)
+                  for i in range(len(prompts))]
+        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params,
+                               use_tqdm=False)
+        from roundalign.engine.generate import Sample
+
+        samples = []
+        for ids, out in zip(prompts, outputs, strict=True):
+            comp = out.outputs[0]
+            tokens = list(comp.token_ids)
+            if comp.logprobs is None or len(comp.logprobs) < len(tokens):
+                raise RuntimeError("vLLM returned no logprob for some sampled token; vLLM 0.31.0 is expected")
+            logp = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(tokens)], dtype=torch.float32)
+            samples.append(Sample(list(ids), tokens, logp, None))
+        prefill = None
+        if cfg.sampling_is_plain:
+            prefill = [s.logprobs for s in teacher_forced(llm, samples, 1.0)]
+    finally:
+        shutdown_llm(llm)
+        del llm
+        if cpu and cfg.gemm == "live":
+            from roundalign.bridge import vllm_cpu
+
+            vllm_cpu.uninstall_live_gemm_dispatch()
+    log(f"[attribute] vLLM {cfg.engine}: {len(samples)} samples, {sum(len(s.completion_ids) for s in samples)} "
+        f"completion tokens ({settings.get('kernels', {}).get('gemm', cfg.gemm)})")
+    return EngineData(prompts, [s.completion_ids for s in samples], [s.logprobs for s in samples], prefill,
+                      settings, orders)
+
+
+def present_sources(cfg: AttributeConfig, data: EngineData) -> dict[str, str | None]:
+    """Each source: None when it is present here (it can be equalized), else why not."""
+    vllm = cfg.backend == "vllm"
+    engine_attn = "vllm_cpu" if vllm else cfg.engine_attn
+    why = {
+        "sampling": None,
+        "decode": None if data.prefill_logp is not None else
+        "vLLM's prefill logprobs are the raw log-softmax: comparable with the sampled tokens' only at temperature 1 "
+        "without top-k/top-p",
+        "batching": None,
+        "lm_head": None if cfg.trainer_lm_head_fp32 != cfg.engine_lm_head_fp32 else
+        f"the trainer's LM head already runs in the engine's precision ({'fp32' if cfg.engine_lm_head_fp32 else cfg.dtype})",
+        "kv_cache": "backend vllm: the engine's KV cache is not varied here" if vllm else
+        None if cfg.kv_cache_dtype != "auto" else "the engine stores K/V as computed (kv_cache_dtype auto)",
+        "gemm": ("the engine runs F.linear on live weights (--engine-gemm live), as the trainer does"
+                 if cfg.gemm == "live" else None) if vllm else
+        None if cfg.gemm == "splitk" else "the emulated engine runs the trainer's GEMMs (--engine-gemm same)",
+        "attention": None if engine_attn != cfg.trainer_attn else
+        f"the trainer already runs the engine's attention ({engine_attn})",
+        "rounding": None,
+    }
+    if vllm:
+        from roundalign.numerics.plan import CPU_ENGINES
+
+        if cfg.engine not in CPU_ENGINES:
+            why["attention"] = why["attention"] or None
+            if why["attention"] is None:
+                why["attention"] = ("the trainer's copy of vLLM's CUDA attention (attn: vllm_flash) is not wired into "
+                                    "attribution yet")
+            if why["gemm"] is None:
+                why["gemm"] = "vLLM's CUDA GEMMs cannot be called from the trainer here"
+    return {s: (why[s] if s in cfg.sources else "not asked for (--sources)") for s in SOURCES}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer's side
+
+
+def _engine_sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor, cfg: AttributeConfig) -> torch.Tensor:
+    """What the engine returned for ``tokens`` given these logits: vLLM's sampler (vllm/v1/sample/sampler.py
+    ``Sampler.forward``/``sample``, ops/topk_topp_sampler.py ``forward_cpu``): fp32 logits, divided by T, top-k/top-p
+    masked by vLLM's own ``apply_top_k_top_p``, fp32 log-softmax; ``raw_logprobs``: the log-softmax of the logits.
+    The emulated engine's sampler is the temperature-only case (engine/generate.py)."""
+    x = logits.float()
+    if cfg.logprobs_mode == "raw_logprobs":
+        lp = x.log_softmax(dim=-1, dtype=torch.float32)
+    else:
+        x = x / cfg.temperature
+        if cfg.top_k or cfg.top_p < 1.0:
+            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+            n = x.shape[0]
+            k = torch.full((n,), cfg.top_k, dtype=torch.int64) if cfg.top_k else None
+            p = torch.full((n,), cfg.top_p, dtype=torch.float32) if cfg.top_p < 1.0 else None
+            x = apply_top_k_top_p(x, k, p)
+        lp = x.log_softmax(dim=-1, dtype=torch.float32)
+    return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@contextmanager
+def _patched_linears(model, make_forward):
+    """Every nn.Linear of ``model`` runs ``make_forward(module)`` instead of its own forward, for the block."""
+    mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in mods:
+        m.forward = make_forward(m)
+    try:
+        yield
+    finally:
+        for m in mods:
+            del m.forward
+
+
+def _vllm_cpu_gemm(module):
+    """vLLM-CPU's own GEMM for this layer's weight: its ``dispatch_cpu_unquantized_gemm`` (oneDNN, SGL or
+    F.linear, as it chooses for the shape) applied to a copy, called as vLLM's linear layers call it."""
+    from roundalign.bridge.vllm_internals import cpu_gemm_utils
+
+    U = cpu_gemm_utils()
+    dispatch = getattr(U.dispatch_cpu_unquantized_gemm, "__wrapped__", U.dispatch_cpu_unquantized_gemm)
+    shim = torch.nn.Module()
+    shim.weight = torch.nn.Parameter(module.weight.detach().clone(), requires_grad=False)
+    shim.bias = None if module.bias is None else torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+    dispatch(shim, remove_weight=False)
+    return lambda x: shim.cpu_linear(x, shim.weight, shim.bias)
+
+
+def _splitk_gemm(chunk):
+    from roundalign.engine.compiled import splitk_linear
+
+    return lambda module: (lambda x: splitk_linear(x, module.weight, module.bias, chunk))
+
+
+_FP8_ATTN = {}
+
+
+def _fp8_kv_attention(inner: str, kv_cache_dtype: str) -> str:
+    """A transformers attention function that rounds K and V through the engine's fp8 KV cache
+    (``engine.model.fp8_kv_roundtrip``) and then runs ``inner``; returns its registered name."""
+    from transformers import AttentionInterface
+
+    from roundalign.engine.model import fp8_kv_roundtrip
+
+    name = f"roundalign_fp8kv_{kv_cache_dtype}_{inner}"
+    if name not in _FP8_ATTN:
+        def base(module):
+            if inner != "eager":
+                return AttentionInterface._global_mapping[inner]
+            import importlib  # eager attention is each model file's own function
+
+            mt = module.config.model_type
+            return importlib.import_module(f"transformers.models.{mt}.modeling_{mt}").eager_attention_forward
+
+        def attention(module, query, key, value, *args, **kwargs):
+            return base(module)(module, query, fp8_kv_roundtrip(key, kv_cache_dtype),
+                                fp8_kv_roundtrip(value, kv_cache_dtype), *args, **kwargs)
+
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(name, attention)
+        # the inner attention's mask format (eager: additive float; sdpa and vllm_cpu: boolean)
+        AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[inner])
+        _FP8_ATTN[name] = attention
+    return name
+
+
+def _attn_name(impl: str) -> str:
+    if impl == "vllm_cpu":
+        from roundalign.bridge import vllm_cpu
+
+        vllm_cpu.register()
+    return impl
+
+
+@contextmanager
+def trainer_state(model, state: frozenset, cfg: AttributeConfig, data: EngineData):
+    """Configure the trainer model for a set of equalized sources (rounding, attention, kv_cache, gemm); the
+    sampling, batching and lm_head sources act in ``trainer_logprobs``."""
+    from roundalign.numerics import apply_alignment
+
+    engine_attn = "vllm_cpu" if cfg.backend == "vllm" else cfg.engine_attn
+    attn = engine_attn if "attention" in state else cfg.trainer_attn
+    if "kv_cache" in state:
+        attn = _fp8_kv_attention(attn if attn in ("eager", "sdpa") else _attn_name(attn), cfg.kv_cache_dtype)
+    model.set_attn_implementation(_attn_name(attn))
+    variant = "full" if "rounding" in state else "baseline"
+    apply_alignment(model, variant, cfg.engine, norm_sum_orders=data.norm_sum_orders if variant == "full" else None)
+    with ExitStack() as stack:
+        if "gemm" in state:
+            make = _vllm_cpu_gemm if cfg.backend == "vllm" else _splitk_gemm(cfg.splitk_chunk)
+            stack.enter_context(_patched_linears(model, make))
+        try:
+            yield model
+        finally:
+            apply_alignment(model, "baseline")
+
+
+def _layout(data: EngineData, pad_id: int, micro_batch: int | None):
+    """Chunks of (rows, input_ids, attention_mask, prompt width): one unpadded sequence each (micro_batch None),
+    or TRL's layout: every prompt left-padded to the longest prompt, every completion right-padded to the longest
+    completion, scored ``micro_batch`` rows at a time (grpo_trainer.py ``_get_per_token_logps_and_entropies``)."""
+    n = len(data.prompts)
+    if micro_batch is None:
+        for i in range(n):
+            ids = torch.tensor([data.prompts[i] + data.completions[i]])
+            yield [i], ids, torch.ones_like(ids), len(data.prompts[i])
+        return
+    P = max(map(len, data.prompts))
+    C = max(map(len, data.completions))
+    ids = torch.full((n, P + C), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, P + C), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(data.prompts, data.completions, strict=True)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(c)] = torch.tensor(c)
+        mask[i, P - len(p):P + len(c)] = 1
+    for start in range(0, n, micro_batch):
+        rows = list(range(start, min(start + micro_batch, n)))
+        yield rows, ids[rows], mask[rows], P
+
+
+@torch.no_grad()
+def trainer_logprobs(model, data: EngineData, state: frozenset, cfg: AttributeConfig, pad_id: int):
+    """The trainer's logprob of every completion token, per sequence, under the equalized ``state``."""
+    from roundalign.training.trl_bridge import trl_recompute_logprobs
+
+    out: list[torch.Tensor | None] = [None] * len(data.prompts)
+    fp32_head = cfg.engine_lm_head_fp32 if "lm_head" in state else cfg.trainer_lm_head_fp32
+    for rows, ids, mask, P in _layout(data, pad_id, None if "batching" in state else cfg.micro_batch):
+        C = ids.shape[1] - P
+        if "sampling" not in state:  # what TRL 1.16 recomputes: its fused LM head over the completion positions
+            logp = trl_recompute_logprobs(model, ids, mask, C, cfg.temperature, cast_lm_head_to_fp32=fp32_head)
+        else:
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, P - 1:-1]
+            w = model.get_output_embeddings().weight
+            logits = torch.nn.functional.linear(hidden.float(), w.float()) if fp32_head else model.lm_head(hidden)
+            logp = _engine_sampler_logprobs(logits.reshape(-1, logits.shape[-1]), ids[:, P:].reshape(-1),
+                                            cfg).view(len(rows), C)
+        for j, i in enumerate(rows):
+            out[i] = logp[j, :len(data.completions[i])].float().cpu()
+    return out
+
+
+def reference_logprobs(data: EngineData, state: frozenset) -> list[torch.Tensor]:
+    """The engine's numbers the trainer is compared with under ``state``."""
+    return data.prefill_logp if "decode" in state else data.decode_logp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers
+
+
+def _per_sequence(train: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-sequence sums (float64) from which every metric of a resample is a ratio of sums or a mean."""
+    stats = {k: [] for k in ("k3", "abs", "exact", "n", "seq")}
+    for t, r in zip(train, ref, strict=True):
+        d = t.double() - r.double()
+        stats["k3"].append((torch.expm1(d) - d).sum())
+        stats["abs"].append(d.abs().sum())
+        stats["exact"].append((t == r).double().sum())
+        stats["n"].append(torch.tensor(float(len(d)), dtype=torch.float64))
+        stats["seq"].append(d.sum())
+    return {k: torch.stack(v) for k, v in stats.items()}
+
+
+def _metrics(s: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, float]:
+    n = s["n"][idx].sum()
+    seq = s["seq"][idx]
+    return {"k3": float(s["k3"][idx].sum() / n), "abs_dlogp": float(s["abs"][idx].sum() / n),
+            "exact_frac": float(s["exact"][idx].sum() / n), "seq_log_ratio": float(seq.mean()),
+            "is_ratio_mean": float(seq.exp().mean()), "is_ratio_max": float(seq.exp().max())}
+
+
+def _interval(values: list[float]) -> tuple[float, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return float(torch.quantile(t, 0.025)), float(torch.quantile(t, 0.975))
+
+
+def steps_of(present: dict[str, str | None]) -> list[tuple[int, str, str, frozenset]]:
+    """(step, source, mode, equalized set) of the waterfall: step 0 ``none``, then each present source
+    cumulatively in SOURCES order, then each alone (numbered as in the cumulative order)."""
+    order = [s for s in SOURCES if present[s] is None]
+    steps = [(0, "none", "cumulative", frozenset())]
+    steps += [(i, s, "cumulative", frozenset(order[:i])) for i, s in enumerate(order, 1)]
+    steps += [(i, s, "alone", frozenset([s])) for i, s in enumerate(order, 1)]
+    return steps
+
+
+def attribution_rows(scored: dict[frozenset, dict[str, torch.Tensor]], steps, num_resamples: int, seed: int):
+    """The long table: every step's metrics with bootstrap intervals over prompts, and the k3 each step removes
+    (paired: the same resamples for every step)."""
+    n = len(next(iter(scored.values()))["n"])
+    g = torch.Generator().manual_seed(seed)
+    draws = [torch.randint(n, (n,), generator=g) for _ in range(num_resamples)]
+    everyone = torch.arange(n)
+    boot = {st: [_metrics(s, idx) for idx in draws] for st, s in scored.items()}
+    point = {st: _metrics(s, everyone) for st, s in scored.items()}
+    rows = []
+    prev_cumulative = frozenset()
+    for step, source, mode, state in steps:
+        for metric in METRICS:
+            lo, hi = _interval([b[metric] for b in boot[state]])
+            rows.append({"step": step, "source": source, "mode": mode, "metric": metric,
+                         "value": point[state][metric], "ci_low": lo, "ci_high": hi})
+        if step == 0:
+            continue
+        base = prev_cumulative if mode == "cumulative" else frozenset()
+        removed = [a["k3"] - b["k3"] for a, b in zip(boot[base], boot[state], strict=True)]
+        lo, hi = _interval(removed)
+        rows.append({"step": step, "source": source, "mode": mode, "metric": "k3_removed",
+                     "value": point[base]["k3"] - point[state]["k3"], "ci_low": lo, "ci_high": hi})
+        if mode == "cumulative":
+            prev_cumulative = state
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: str = "cpu") -> list[dict]:
+    """Measure, write ``attribution.csv`` and ``attribution.json`` into ``out_dir``; returns the rows (the CLI
+    draws ``waterfall.png`` from them: analysis sits above probes)."""
+    from roundalign.envinfo import environment_info
+    from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
+    from roundalign.probes.probe import ProbeConfig, _prompts
+
+    out = Path(out_dir)
+    check_writable(out / "attribution.csv")
+    if cfg.backend == "vllm":
+        from roundalign.probes.probe_real import preflight
+
+        preflight(ProbeConfig(model=cfg.model, engine=cfg.engine, attn="vllm_cpu" if "cpu" in cfg.engine else "eager",
+                              seed=cfg.seed), device, log=log)
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = _prompts(tokenizer, ProbeConfig(model=cfg.model, num_prompts=cfg.num_prompts, seed=cfg.seed,
+                                              context_tokens=cfg.context_tokens))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cfg.backend == "vllm":
+        data = vllm_engine_side(prompts, cfg, log=log)
+        model = load_model(cfg.model, dtype=cfg.dtype, attn="eager")
+    else:
+        model = load_model(cfg.model, dtype=cfg.dtype, attn="eager")
+        data = emulated_engine_side(model, prompts, cfg, tokenizer.eos_token_id, log=log)
+    present = present_sources(cfg, data)
+    for s, why in present.items():
+        if why is not None:
+            log(f"[attribute] {s}: absent ({why})")
+    steps = steps_of(present)
+    scored = {}
+    for step, source, mode, state in steps:
+        if state in scored:
+            continue
+        t1 = time.perf_counter()
+        done = state - frozenset(cfg.undo)  # a negative control claims a step it does not take
+        with trainer_state(model, done, cfg, data):
+            train = trainer_logprobs(model, data, done, cfg, pad_id)
+        scored[state] = _per_sequence(train, reference_logprobs(data, done))
+        m = _metrics(scored[state], torch.arange(len(train)))
+        log(f"[attribute] step {step} {mode:>10} {source:>9}: k3={m['k3']:.3e} |dlogp|={m['abs_dlogp']:.3e} "
+            f"exact={m['exact_frac']:.3f} IS mean={m['is_ratio_mean']:.4f} ({time.perf_counter() - t1:.1f}s)")
+    rows = attribution_rows(scored, steps, cfg.num_resamples, cfg.seed)
+    import pandas as pd
+
+    atomic_write_csv(pd.DataFrame(rows, columns=["step", "source", "mode", "metric", "value", "ci_low", "ci_high"]),
+                     out / "attribution.csv")
+    atomic_write_json(out / "attribution.json", {
+        "config": asdict(cfg), "model_path": str(resolve_model_path(cfg.model)), "engine_settings": data.settings,
+        "sources": {s: {"present": why is None, "why_absent": why} for s, why in present.items()},
+        "undone": list(cfg.undo),
+        "order": list(SOURCES), "num_sequences": len(data.prompts),
+        "num_tokens": sum(map(len, data.completions)), "wall_time_s": round(time.perf_counter() - t0, 1),
+        **environment_info()})
+    log(f"[attribute] wrote {out}/attribution.csv, attribution.json ({time.perf_counter() - t0:.0f}s)")
+    return rows
