@@ -84,8 +84,8 @@ FLOORS = {
     "roundalign": 2, "bridge": 2,
     "engine": 3,
     "models": 4,
-    "training": 5, "probes": 5,
-    "analysis": 6, "verify": 6,
+    "training": 5,
+    "probes": 6, "analysis": 6, "verify": 6,  # a probe scores as training does (trl_bridge)
     "cli": 7,
     "__main__": 8,
 }

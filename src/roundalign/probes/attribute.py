@@ -309,8 +309,8 @@ def _engine_sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor, cfg: At
             from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
             n = x.shape[0]
-            k = torch.full((n,), cfg.top_k, dtype=torch.int64) if cfg.top_k else None
-            p = torch.full((n,), cfg.top_p, dtype=torch.float32) if cfg.top_p < 1.0 else None
+            k = torch.full((n,), cfg.top_k, dtype=torch.int64, device=x.device) if cfg.top_k else None
+            p = torch.full((n,), cfg.top_p, dtype=torch.float32, device=x.device) if cfg.top_p < 1.0 else None
             x = apply_top_k_top_p(x, k, p)
         lp = x.log_softmax(dim=-1, dtype=torch.float32)
     return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -443,8 +443,9 @@ def trainer_logprobs(model, data: EngineData, state: frozenset, cfg: AttributeCo
 
     out: list[torch.Tensor | None] = [None] * len(data.prompts)
     fp32_head = cfg.engine_lm_head_fp32 if "lm_head" in state else cfg.trainer_lm_head_fp32
+    device = next(model.parameters()).device
     for rows, ids, mask, P in _layout(data, pad_id, None if "batching" in state else cfg.micro_batch):
-        C = ids.shape[1] - P
+        ids, mask, C = ids.to(device), mask.to(device), ids.shape[1] - P
         if "sampling" not in state:  # what TRL 1.16 recomputes: its fused LM head over the completion positions
             logp = trl_recompute_logprobs(model, ids, mask, C, cfg.temperature, cast_lm_head_to_fp32=fp32_head)
         else:
@@ -535,7 +536,7 @@ def attribution_rows(scored: dict[frozenset, dict[str, torch.Tensor]], steps, nu
 # The command
 
 
-def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: str = "cpu") -> list[dict]:
+def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: str | None = None) -> list[dict]:
     """Measure, write ``attribution.csv`` and ``attribution.json`` into ``out_dir``; returns the rows (the CLI
     draws ``waterfall.png`` from them: analysis sits above probes)."""
     from roundalign.envinfo import environment_info
@@ -544,11 +545,13 @@ def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: 
 
     out = Path(out_dir)
     check_writable(out / "attribution.csv")
-    if cfg.backend == "vllm":
+    from roundalign.numerics.plan import CPU_ENGINES
+
+    device = device or ("cuda" if cfg.backend == "vllm" and cfg.engine not in CPU_ENGINES else "cpu")
+    if cfg.backend == "vllm":  # the real engine can run here (vLLM's CPU build, or CUDA vLLM and a GPU)
         from roundalign.probes.probe_real import preflight
 
-        preflight(ProbeConfig(model=cfg.model, engine=cfg.engine, attn="vllm_cpu" if "cpu" in cfg.engine else "eager",
-                              seed=cfg.seed), device, log=log)
+        device = preflight(ProbeConfig(model=cfg.model, engine=cfg.engine, seed=cfg.seed), device, log=log)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     prompts = _prompts(tokenizer, ProbeConfig(model=cfg.model, num_prompts=cfg.num_prompts, seed=cfg.seed,
@@ -556,7 +559,7 @@ def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if cfg.backend == "vllm":
         data = vllm_engine_side(prompts, cfg, log=log)
-        model = load_model(cfg.model, dtype=cfg.dtype, attn="eager")
+        model = load_model(cfg.model, dtype=cfg.dtype, attn="eager").to(device)
     else:
         model = load_model(cfg.model, dtype=cfg.dtype, attn="eager")
         data = emulated_engine_side(model, prompts, cfg, tokenizer.eos_token_id, log=log)
