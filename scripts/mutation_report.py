@@ -1,0 +1,237 @@
+"""results/bench/mutation.txt from a finished ``mutmut run`` (``make mutation``): counts, score, and one line per
+surviving (or untested) mutant with why it is allowed to live.
+
+Reads mutmut's own records (``mutants/**/*.meta``: exit code per mutant; ``mutants/mutmut-stats.json``: which tests
+reach which function) and the run's configuration (``[tool.mutmut]`` in pyproject.toml). Exits 1 when a survivor has
+no entry in ``EXPLAINED`` (after writing the file): a new survivor needs a test that kills it, or an explanation here.
+
+Score = killed / total. "killed" counts a mutant whose tests failed or whose test process died (mutmut's "segfault":
+the fault-injection mutants of checkpoints.fault_point SIGKILL the test process itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import platform
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Survivors allowed to live, with the reason. Keys: a mutant name, or a pattern (fnmatch) for a group that shares one
+# reason (each group names the lines it covers). Keep this list short and honest: a mutant that changes behaviour
+# a user can see gets a test instead.
+EXPLAINED: dict[str, str] = {
+    # -- equivalent: no input can tell them apart -----------------------------------------------------------------
+    "roundalign.training.checkpoints.x_mark_complete__mutmut_5":
+        'equivalent: os.environ.get(..., None) for the default "1": any default outside ("", "0") means flush',
+    "roundalign.training.checkpoints.x_mark_complete__mutmut_7":
+        "equivalent: os.environ.get(name) (default None) for the default \"1\": None is not in ('', '0') either",
+    "roundalign.training.checkpoints.x_mark_complete__mutmut_10":
+        'equivalent: default "XX1XX" for "1": any default outside ("", "0") means flush',
+    "roundalign.training.checkpoints.x_rotate__mutmut_9":
+        "equivalent: `keep >= 0` for `keep > 0` after `keep and`: keep == 0 is already falsy",
+    "roundalign.training.checkpoints.x_fault_point__mutmut_11":
+        'equivalent: the pad of at_point ("XXXX" for ""): split("@") always yields at least one field',
+    "roundalign.training.checkpoints.x_fault_point__mutmut_12":
+        'equivalent: the pad of at_step ("XXXX" for ""): a spec without a step fails int() either way (ValueError)',
+    "roundalign.metrics.x__check_inputs__mutmut_8":
+        "equivalent for valid inputs: `break` for `continue` when a tensor argument is None; only entropy (the last "
+        "of the three) may be None, so nothing is left unchecked (a None train_logp fails later either way)",
+}
+
+_COMPILED = ("compiled-mode only: reached by region_kernels('compiled'), whose tests compile with Inductor (tests/"
+             "test_compiled_engine.py, test_torch_compile.py, test_inductor.py: slow; the vllm-cpu-compiled cases of "
+             "test_patch.py are deselected for time, pyproject.toml); not run by make mutation")
+EXPLAINED.update({
+    "roundalign.numerics.regions.x__compiled_kernel__mutmut_*": _COMPILED,
+    "roundalign.numerics.regions.x__compiled_vjp__mutmut_*": _COMPILED,
+    "roundalign.numerics.regions.x__by_sum_order__mutmut_*": _COMPILED,
+    "roundalign.numerics.regions.x__with_order__mutmut_*": _COMPILED,
+})
+
+_CPU_DEVICE = ("equivalent on the CPU: device=None (or no device) allocates on the CPU, where the inputs are; on an "
+               "accelerator it would fail loudly (scripts/gpu_check.py runs these nodes on the GPU)")
+_AUTOGRAD_CAST = ("equivalent: the gradient is computed in fp32 and rounded to the input's dtype once either way, by "
+                  "this cast/copy or, when it is dropped, by autograd, which casts a returned gradient to its input's "
+                  "dtype (validate_outputs); bits are equal")
+_VEC_ONE = ("not killed: differs only for vec == 1 (scalar lanes), which the code accepts and no test uses; no engine "
+            "order has it (Inductor's CPU reductions use 8/16 lanes)")
+EXPLAINED.update({
+    "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_14": _VEC_ONE,
+    "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_15": _VEC_ONE,
+    "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_18":
+        _VEC_ONE + " (vec & (vec - 2) is 0 exactly for the powers of two above 1: only vec == 1 differs)",
+    "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_58":
+        "equivalent: v has 2*half lanes at that point, so v[..., half:3*half] is v[..., half:2*half]",
+    **{f"roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_{i}": _COMPILED + " (the VJP branch: "
+       "ctx.vjp is None for eager kernels)" for i in range(7, 38)},
+    "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_47":
+        "equivalent: a gradient returned for an input that needs none is dropped by autograd",
+    "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_50":
+        "equivalent: a gradient returned for an input that needs none is dropped by autograd",
+    "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_48":
+        "not killed: differs only when SwiGLU's gate needs a gradient and up does not; in a model both are projections "
+        "of the same hidden state, so they need one together",
+    "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_71":
+        "equivalent: materialize_grads is on, so autograd never passes None for an output's gradient, and every region "
+        "output depends on its inputs (requires_grad whenever a gradient arrives)",
+    **{f"roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_{i}":
+       "equivalent: allow_unused matters only for an input that does not reach the outputs; every input of every "
+       "region formula does" for i in (84, 89, 90)},
+    "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_92":
+        "GAP, not killed by the fast selection: a region node whose inputs do not all need gradients (a frozen norm "
+        "weight, as under LoRA) would take a gradient it has not computed; no selected test freezes an input",
+    "roundalign.numerics.regions.x__row_chunks__mutmut_30":
+        "equivalent for every model: max(last, 2) differs from max(last, 1) only for rows of one element",
+    **{f"roundalign.numerics.regions.x__swiglu_fused_chunked__mutmut_{i}": _CPU_DEVICE for i in (4, 7)},
+    **{f"roundalign.numerics.regions.x__swiglu_fused_backward__mutmut_{i}": _CPU_DEVICE for i in (4, 7, 11, 14)},
+    **{f"roundalign.numerics.regions.x__swiglu_fused_backward__mutmut_{i}": _AUTOGRAD_CAST for i in (3, 6, 10, 13, 30,
+                                                                                                    35)},
+    "roundalign.numerics.regions.x__rope_fused_backward__mutmut_10": _AUTOGRAD_CAST,
+    "roundalign.numerics.regions.xǁ_RopeFusedǁbackward__mutmut_5": _AUTOGRAD_CAST,
+})
+
+# Untested mutants ("no tests": no selected fast test reaches their function), by function pattern, with the reason.
+NO_TESTS_EXPLAINED: dict[str, str] = {}
+
+
+def _status_by_exit_code():
+    from mutmut.stats import status_by_exit_code
+
+    return status_by_exit_code
+
+
+def _explanation(name: str, table: dict[str, str]) -> str | None:
+    if name in table:
+        return table[name]
+    for pattern, why in table.items():
+        if any(c in pattern for c in "*?[") and fnmatch.fnmatchcase(name, pattern):
+            return why
+    return None
+
+
+def _diff_line(name: str) -> str:
+    """The mutated line as mutmut shows it (``mutmut show``), '-old / +new', shortened."""
+    try:
+        out = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "show", name], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    minus = [ln[1:].strip() for ln in out.splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    plus = [ln[1:].strip() for ln in out.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    short = lambda s: s if len(s) <= 100 else s[:97] + "..."  # noqa: E731
+    return f"- {short(' '.join(minus))} / + {short(' '.join(plus))}"
+
+
+def _git_sha() -> str:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return sha + ("+dirty" if dirty else "")
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/bench/mutation.txt")
+    ap.add_argument("--wall-s", type=float, default=None, help="wall time of the mutmut run (make mutation passes it)")
+    ap.add_argument("--mutants", default="mutants")
+    args = ap.parse_args(argv)
+
+    from importlib.metadata import version
+
+    S = _status_by_exit_code()
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    mutants_dir = ROOT / args.mutants
+    metas = sorted(mutants_dir.rglob("*.py.meta"))
+    if not metas:
+        print(f"mutation_report: no mutmut results under {mutants_dir} (run `make mutation`)", file=sys.stderr)
+        return 2
+    stats = json.loads((mutants_dir / "mutmut-stats.json").read_text())
+    n_tests = len(stats.get("duration_by_test", {}))
+
+    status: dict[str, str] = {}
+    per_file: dict[str, Counter] = {}
+    for meta in metas:
+        rel = str(meta.relative_to(mutants_dir))[: -len(".meta")]
+        data = json.loads(meta.read_text())
+        c = Counter()
+        for name, code in data["exit_code_by_key"].items():
+            st = S[code]
+            st = "killed" if st == "segfault" else st
+            status[name] = st
+            c[st] += 1
+        if c:
+            per_file[rel] = c
+    total = len(status)
+    counts = Counter(status.values())
+    killed = counts["killed"]
+
+    survivors = sorted(n for n, s in status.items() if s == "survived")
+    untested = sorted(n for n, s in status.items() if s == "no tests")
+    others = sorted(n for n, s in status.items() if s not in ("killed", "survived", "no tests"))
+    unexplained = [n for n in survivors if _explanation(n, EXPLAINED) is None]
+    unexplained += [n for n in untested if _explanation(n, NO_TESTS_EXPLAINED) is None]
+
+    sel = cfg.get("pytest_add_cli_args_test_selection", [])
+    lines = [
+        f"# mutation testing (make mutation), {datetime.date.today().isoformat()}, git {_git_sha()}",
+        f"# CPU: {_cpu()} ({platform.machine()}), Python {platform.python_version()}, mutmut {version('mutmut')}, "
+        f"one child process (--max-children 1), OMP_NUM_THREADS=1",
+        f"# mutated: {', '.join(cfg.get('only_mutate', []))}; not mutated: {', '.join(cfg.get('do_not_mutate', []))} "
+        f"(reasons in pyproject.toml [tool.mutmut])",
+        f"# tests: {' '.join(sel)} ({n_tests} tests collected); each mutant runs the selected tests that reached its "
+        f"function while mutmut collected stats",
+        f"# wall time of the run: {args.wall_s:.0f} s ({args.wall_s / 60:.1f} min)" if args.wall_s is not None
+        else "# wall time of the run: not measured (run through `make mutation`)",
+        "",
+        f"total {total}  killed {killed}  survived {counts['survived']}  timeout {counts['timeout']}  "
+        f"suspicious {counts['suspicious']}  no-tests {counts['no tests']}  not-checked {counts['not checked']}",
+        f"score = killed / total = {killed}/{total} = {killed / total:.3f}",
+        "",
+        "per file:            total  killed  survived  no-tests  other",
+    ]
+    for rel, c in per_file.items():
+        other = sum(v for k, v in c.items() if k not in ("killed", "survived", "no tests"))
+        lines.append(f"  {rel:<44} {sum(c.values()):5d}  {c['killed']:6d}  {c['survived']:8d}  {c['no tests']:8d}  "
+                     f"{other:5d}")
+    lines += ["", f"survivors ({len(survivors)}), each with why it lives:"]
+    for n in survivors:
+        why = _explanation(n, EXPLAINED) or "UNEXPLAINED: kill it with a test or explain it in scripts/mutation_report.py"
+        lines.append(f"  {n}: {why}")
+        lines.append(f"      {_diff_line(n)}")
+    if untested:
+        lines += ["", f"no tests ({len(untested)}): no selected fast test reaches the function"]
+        by_fn = Counter(n.rsplit("__mutmut_", 1)[0] for n in untested)
+        for fn, k in sorted(by_fn.items()):
+            why = _explanation(f"{fn}__mutmut_1", NO_TESTS_EXPLAINED) or "UNEXPLAINED"
+            lines.append(f"  {fn} ({k} mutants): {why}")
+    if others:
+        lines += ["", f"timeout / suspicious / not checked ({len(others)}):"] + [f"  {n}: {status[n]}" for n in others]
+    lines += ["", f"unexplained: {len(unexplained)}" + ("" if not unexplained else " (make mutation fails)")]
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:9]))
+    print(f"mutation_report: wrote {args.out}; {len(unexplained)} unexplained")
+    return 1 if unexplained else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,588 @@
+"""Direct tests for mutants that the rest of the suite killed only indirectly, or not at all (issue 35, item 6).
+
+Each test states one behaviour against a reference written here, independently of the code under test, with real
+numbers. Kept fast (no slow marker): ``make mutation`` runs this file among the fast tests of numerics/, metrics.py
+and training/checkpoints.py.
+
+- RoPE with cos/sin tables whose two halves DIFFER. transformers' and vLLM's neox tables repeat one half-table twice,
+  so a swap of the sin (or cos) halves in ``rope_fused`` is invisible with them; it was caught only by the
+  hand-written backward's check. Here the fused, round-toward-zero, HF-style and backward RoPE are pinned bitwise
+  against the rotate_half formula ``x*cos + rotate_half(x)*sin`` in float64 with the roundings of
+  shared/design/numerics.md's RoPE row (engine: fp32 inside, one rounding; HF: each product, then the sum).
+- The ``vllm-cpu-eager`` residual row (numerics.md, plan.py: the norm reads the UNROUNDED fp32 sum, rounds as HF
+  does, twice; the stored stream is the sum rounded once), pinned bitwise for a whole trunk against a forward written
+  here from the model's own attention/MLP modules; before, only "changes more than 5% of logits" held it.
+"""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_qwen
+
+from roundalign import apply_alignment
+from roundalign.numerics import regions
+from roundalign.numerics.plan import engine_plan, plan_for
+
+torch.set_num_threads(1)
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+
+
+@pytest.fixture(autouse=True)
+def fresh_region_kernels(monkeypatch):
+    """Region kernels built anew in each test: ``region_kernels`` caches them per process, and a kernel built before
+    a test (by another test, or before mutmut forked its worker) would hide what building it does."""
+    monkeypatch.setattr(regions, "_KERNEL_CACHE", {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RoPE with distinct halves
+
+
+def _rand_bf16(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=F64) * scale).to(BF16)
+
+
+def _distinct_tables(b, t, d, seed):
+    """bf16 cos/sin (b, 1, t, d) from angles drawn independently for EVERY column: the halves differ (a real neox
+    table repeats one half; these are not tables of any model, only inputs on which a swap of halves shows)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    ang = torch.rand((b, 1, t, d), generator=g, dtype=F64) * 2 * torch.pi
+    cos, sin = ang.cos().to(BF16), ang.sin().to(BF16)
+    h = d // 2
+    assert not torch.equal(cos[..., :h], cos[..., h:]) and not torch.equal(sin[..., :h], sin[..., h:])
+    return cos, sin
+
+
+def _rotate_half64(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _ref_rope_fp32(x, cos, sin):
+    """x*cos + rotate_half(x)*sin as one fp32 kernel computes it: each product rounded to fp32 (exact for bf16 x:
+    8-bit times 8-bit significands), the sum rounded to fp32. The float64 sum of two fp32 values rounded to fp32 is
+    the fp32 sum (53 >= 2*24 + 2), so float64 then ``.to(float32)`` is that fp32 value."""
+    p1 = (x.to(F64) * cos.to(F64)).to(F32).to(F64)
+    p2 = (_rotate_half64(x.to(F64)) * sin.to(F64)).to(F32).to(F64)
+    return (p1 + p2).to(F32)
+
+
+def _truncate_to_bf16(x32):
+    bits = x32.contiguous().numpy().view(np.uint32) & np.uint32(0xFFFF0000)
+    return torch.from_numpy(bits.view(np.float32).copy()).to(BF16)  # the truncated pattern is a bf16 value: exact
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 64), (1, 2, 7, 128)])
+def test_rope_fused_with_distinct_halves_is_the_rotate_half_formula_rounded_once(shape, seed):
+    b, _, t, d = shape
+    x = _rand_bf16(shape, seed, scale=3.0)
+    cos, sin = _distinct_tables(b, t, d, seed)
+    want32 = _ref_rope_fp32(x, cos, sin)
+    assert torch.equal(regions.rope_fused(x, cos, sin), want32.to(BF16))  # round to nearest even, once
+    assert torch.equal(regions.rope_fused(x, cos, sin, out_dtype=F32), want32)
+    assert torch.equal(regions.rope_fused_rz(x, cos, sin), _truncate_to_bf16(want32))  # vLLM-CPU's C++ kernel
+    # fp32 x (Qwen3's q/k-norm value kept fp32 into RoPE): now the products themselves round to fp32
+    x32 = x.float() * torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=F32)
+    assert torch.equal(regions.rope_fused(x32, cos, sin), _ref_rope_fp32(x32, cos, sin).to(BF16))
+    # and the region kernels' node (the path the patched attention runs) gives the same bits
+    K = regions.region_kernels("eager")
+    assert torch.equal(K.rope_fused(x, cos, sin), want32.to(BF16))
+    assert torch.equal(K.rope_fused_rz(x, cos, sin), _truncate_to_bf16(want32))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rope_hf_with_distinct_halves_rounds_each_product_then_the_sum(seed):
+    shape = (2, 3, 5, 64)
+    x = _rand_bf16(shape, seed, scale=3.0)
+    cos, sin = _distinct_tables(2, 5, 64, seed)
+    # bf16 * bf16 is exact in float64: one rounding to bf16 per product; the bf16 sum rounds through fp32 as torch's
+    # CPU bf16 add does (fp32 has 24 >= 2*8 + 2 bits: that is the bf16 sum correctly rounded)
+    p1 = (x.to(F64) * cos.to(F64)).to(BF16)
+    p2 = (_rotate_half64(x.to(F64)) * sin.to(F64)).to(BF16)
+    want = (p1.to(F64) + p2.to(F64)).to(F32).to(BF16)
+    got = regions.rope_hf(x, cos, sin)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, regions.rope_fused(x, cos, sin))  # three roundings are not one
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rope_backward_with_distinct_halves_is_the_transposed_rotation(seed):
+    """d/dx of x*cos + rotate_half(x)*sin applied to g: g*cos + rotate_half^T(g*sin), rotate_half^T(v) = (v2, -v1):
+    float64 autograd of the formula (two exact products, summed) rounded through fp32 to x's dtype, bitwise, for the
+    node that saves only cos/sin (hand-written backward) and for plain autograd of ``rope_fused``."""
+    shape = (2, 3, 5, 64)
+    x = _rand_bf16(shape, seed)
+    cos, sin = _distinct_tables(2, 5, 64, seed)
+    g = _rand_bf16(shape, seed + 50)
+    x64 = x.to(F64).requires_grad_(True)
+    out64 = x64 * cos.to(F64) + _rotate_half64(x64) * sin.to(F64)
+    (want,) = torch.autograd.grad(out64, x64, g.to(F64))
+    want = want.to(F32).to(BF16)
+    for fn in (regions.region_kernels("eager").rope_fused, regions.rope_fused):
+        xl = x.clone().requires_grad_(True)
+        (got,) = torch.autograd.grad(fn(xl, cos, sin), xl, g)
+        assert torch.equal(got, want), fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the vllm-cpu-eager residual row
+
+
+def _hf_norm_of(s32, norm):
+    """HF's two roundings applied to an fp32 value: the normalized value rounded to the model dtype, then the bf16
+    multiply by the weight (the native RMSNorm formula run eagerly: ``x.to(weight.dtype) * weight``)."""
+    w = norm.weight
+    y = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return w * y.to(w.dtype)
+
+
+def _reference_cpu_eager_trunk(model, attn_kwargs, ids, stream_rounded_before_norm=False):
+    """The trunk of ``model`` (variant ``norm``: attention, RoPE, MLP stock) with vLLM-CPU eager's residual rounding,
+    written from numerics.md's row: each norm after an add reads the UNROUNDED fp32 sum and rounds as HF does; the
+    residual stream stored (what the next add reads) is that sum rounded once. Returns (per-layer stored streams,
+    final normed hidden state). ``stream_rounded_before_norm``: the alternative the row rules out (the norm reads
+    the rounded sum, as stock HF)."""
+    trunk = model.model
+    stream = trunk.embed_tokens(ids)  # bf16, rounded (nothing to sum yet)
+    s_in = stream.float()
+    streams = []
+    for layer, kwargs in zip(trunk.layers, attn_kwargs):
+        read = s_in.to(BF16).float() if stream_rounded_before_norm else s_in
+        n1 = _hf_norm_of(read, layer.input_layernorm)
+        attn_out, _ = layer.self_attn(**{**kwargs, "hidden_states": n1})
+        s_mid = attn_out.float() + stream.float()  # the add reads the stored (rounded) stream
+        read = s_mid.to(BF16).float() if stream_rounded_before_norm else s_mid
+        n2 = _hf_norm_of(read, layer.post_attention_layernorm)
+        mlp_out = layer.mlp(n2)
+        s_in = s_mid.to(BF16).float() + mlp_out.float()  # stored residual after attention: s_mid rounded once
+        stream = s_in.to(BF16)
+        streams.append(stream)
+    read = s_in.to(BF16).float() if stream_rounded_before_norm else s_in
+    return streams, _hf_norm_of(read, trunk.norm)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_cpu_eager_residual_row_is_fp32_read_with_hf_norms_bitwise(arch):
+    plan = engine_plan("vllm-cpu-eager")
+    assert (plan.residual, plan.norm, plan.swiglu, plan.qk_norm_rope) == ("fp32-read", "hf", "hf", "split")
+    assert plan_for("vllm-cpu-eager", "norm") == type(plan)(norm="hf", residual="fp32-read")
+    model = random_qwen(arch, layers=3)
+    apply_alignment(model, "norm", "vllm-cpu-eager")
+    ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(3))
+    attn_kwargs, layer_out = [], []
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a, kw: attn_kwargs.append(dict(kw)), with_kwargs=True)
+             for layer in model.model.layers]
+    hooks += [layer.register_forward_hook(lambda m, a, out: layer_out.append(out[0] if isinstance(out, tuple) else out))
+              for layer in model.model.layers]
+    with torch.no_grad():
+        got = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    for h in hooks:
+        h.remove()
+    apply_alignment(model, "baseline")  # the reference calls the stock attention and MLP modules
+    with torch.no_grad():
+        streams, final = _reference_cpu_eager_trunk(model, attn_kwargs, ids)
+        _, final_rounded = _reference_cpu_eager_trunk(model, attn_kwargs, ids, stream_rounded_before_norm=True)
+    assert len(layer_out) == len(streams) == 3
+    for i, (a, b) in enumerate(zip(layer_out, streams)):
+        assert a.dtype == BF16 and torch.equal(a, b), f"layer {i}: stored stream differs"
+    assert got.dtype == BF16 and torch.equal(got, final)
+    # the reference is sensitive to the row: reading the rounded sum instead moves many elements
+    assert (final_rounded != final).float().mean().item() > 0.05
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints: the in-process paths of resume and rotation, without a training run. tests/test_checkpoints.py covers
+# them end to end (real SIGKILLs, ~10-40 s each); ``make mutation`` deselects those and relies on these.
+
+
+def _ckpt(root, step, complete=True, state="{}"):
+    from roundalign.training import checkpoints as C
+
+    ckpt = root / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "optimizer.pt").write_bytes(b"o" * (10 + step))
+    (ckpt / "trainer_state.json").write_text(state)
+    if complete:
+        C.mark_complete(ckpt)
+    return ckpt
+
+
+def test_checkpoints_are_listed_by_step_number_and_only_checkpoint_dirs(tmp_path):
+    from roundalign.training import checkpoints as C
+
+    assert C.checkpoints(tmp_path / "absent") == []
+    for name in ("checkpoint-10", "checkpoint-2", "checkpoint-9", "checkpoint-x", "checkpoint-3-old", "incomplete"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint-4").write_text("a file, not a checkpoint")
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-9", "checkpoint-10"]
+    assert C.step_of(tmp_path / "checkpoint-10") == 10
+
+
+def test_latest_complete_sets_aside_every_newer_incomplete_one_under_a_fresh_name(tmp_path, monkeypatch):
+    from roundalign.training import checkpoints as C
+
+    monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
+    _ckpt(tmp_path, 2)
+    _ckpt(tmp_path, 4)
+    _ckpt(tmp_path, 6, complete=False)
+    _ckpt(tmp_path, 8, state="{not json")
+    for taken in ("checkpoint-6", "checkpoint-6.1"):  # names already taken by earlier set-asides
+        (tmp_path / "incomplete" / taken).mkdir(parents=True)
+    lines = []
+    got, aside = C.latest_complete(tmp_path, log=lines.append)
+    assert got == tmp_path / "checkpoint-4"
+    assert [(r["checkpoint"], r["moved_to"]) for r in aside] == [
+        ("checkpoint-8", str(tmp_path / "incomplete" / "checkpoint-8")),
+        ("checkpoint-6", str(tmp_path / "incomplete" / "checkpoint-6.2"))]
+    assert aside[0]["problem"].startswith("trainer_state.json unreadable (")
+    assert aside[1]["problem"] == f"no {C.MARKER} (the save did not finish)"
+    assert lines == [f"[train] checkpoint-8 is incomplete ({aside[0]['problem']}): moved to {aside[0]['moved_to']}; "
+                     "resuming from an earlier one",
+                     f"[train] checkpoint-6 is incomplete ({aside[1]['problem']}): moved to {aside[1]['moved_to']}; "
+                     "resuming from an earlier one"]
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4"]
+    assert (tmp_path / "incomplete" / "checkpoint-6.2" / "optimizer.pt").is_file()  # moved, not deleted
+    # nothing complete left: None, and every one set aside
+    (tmp_path / "checkpoint-2" / "optimizer.pt").unlink()
+    (tmp_path / "checkpoint-4" / C.MARKER).write_text("[]")
+    got, aside = C.latest_complete(tmp_path, log=lines.append)
+    assert got is None and [r["checkpoint"] for r in aside] == ["checkpoint-4", "checkpoint-2"]
+    assert aside[0]["problem"].startswith(f"{C.MARKER} unreadable (") and aside[1]["problem"] == "optimizer.pt is missing"
+
+
+def test_rotate_keeps_the_newest_complete_ones_and_never_touches_an_incomplete_one(tmp_path, monkeypatch):
+    from roundalign.training import checkpoints as C
+
+    monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
+    for step in (2, 4, 6):
+        _ckpt(tmp_path, step)
+    _ckpt(tmp_path, 8, complete=False)  # being written
+    assert C.rotate(tmp_path, 0) == [] and C.rotate(tmp_path, None) == [] and C.rotate(tmp_path, -1) == []
+    assert C.rotate(tmp_path, 2) == [tmp_path / "checkpoint-2"]
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert C.rotate(tmp_path, 1) == [tmp_path / "checkpoint-4"]
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-6", "checkpoint-8"]
+
+
+@pytest.mark.parametrize("value,flushed", [("1", True), ("0", False), ("", False), (None, True)])
+def test_mark_complete_flushes_unless_told_not_to_and_records_it(tmp_path, monkeypatch, value, flushed):
+    from roundalign.training import checkpoints as C
+
+    if value is None:
+        monkeypatch.delenv("ROUNDALIGN_CKPT_FSYNC", raising=False)
+    else:
+        monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", value)
+    calls = []
+    monkeypatch.setattr(C, "_fsync", lambda p: calls.append(p))
+    ckpt = _ckpt(tmp_path, 12, complete=False)
+    marker = C.mark_complete(ckpt)
+    assert marker == {"step": 12, "fsync": flushed, "files": {"optimizer.pt": 22, "trainer_state.json": 2}}
+    assert json.loads((ckpt / C.MARKER).read_text()) == marker
+    assert bool(calls) is flushed
+
+
+def _safetensors(path, header: bytes, data: bytes, n=None):
+    path.write_bytes(struct.pack("<Q", len(header) if n is None else n) + header + data)
+
+
+def test_verify_names_each_way_a_checkpoint_can_be_incomplete(tmp_path, monkeypatch):
+    from roundalign.training import checkpoints as C
+
+    monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
+    ckpt = _ckpt(tmp_path, 2, complete=False)
+    w = ckpt / "model.safetensors"
+    good = json.dumps({"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                       "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}).encode()
+    _safetensors(w, good, b"\0" * 12)
+    C.mark_complete(ckpt)
+    assert C.verify(ckpt) is None
+
+    def redo(header, data, n=None):
+        _safetensors(w, header, data, n)
+        C.mark_complete(ckpt)  # sizes match the marker: only the header can tell
+        return C.verify(ckpt)
+
+    assert redo(good, b"\0" * 11) == f"model.safetensors: safetensors data ends at {8 + len(good) + 12} bytes, file " \
+                                      f"has {8 + len(good) + 11}"
+    assert redo(good, b"\0" * 12, n=len(good) + 13) == (f"model.safetensors: safetensors header length "
+                                                        f"{len(good) + 13} exceeds the file")
+    # a length of exactly the rest of the file passes the length check; the header read then runs into the data
+    assert redo(good, b"\0" * 12, n=len(good) + 12).startswith("model.safetensors: safetensors header unreadable (")
+    assert redo(b"{\xff" + good[2:], b"\0" * 12).startswith("model.safetensors: safetensors header unreadable (")
+    assert redo(b"[1, 2" + good[5:], b"\0" * 12).startswith("model.safetensors: safetensors header unreadable (")
+    w.write_bytes(b"1234567")
+    C.mark_complete(ckpt)
+    assert C.verify(ckpt) == "model.safetensors: shorter than a safetensors header"
+    # metadata-only header: no tensors, the data ends right after it
+    assert redo(json.dumps({"__metadata__": {}}).encode(), b"") is None
+    (ckpt / "trainer_state.json").unlink()
+    C.mark_complete(ckpt)
+    assert C.verify(ckpt) == "trainer_state.json was not written"
+    (ckpt / C.MARKER).write_text(json.dumps({"step": 2}))
+    assert C.verify(ckpt) == f"{C.MARKER} unreadable ('files')"
+
+
+def test_fault_point_kills_its_process_once_at_its_point_and_step(tmp_path):
+    """The kill itself, in a child process running the same ``checkpoints`` module as this test (under
+    ``make mutation``: the mutated copy)."""
+    from roundalign.training import checkpoints as C
+
+    src = str(Path(C.__file__).resolve().parents[2])
+    once = tmp_path / "once"
+    os.environ.pop("ROUNDALIGN_FAULT_INJECT", None)
+    C.fault_point("after_model", 3)  # unset: nothing happens (and mutmut maps this test to fault_point)
+
+    def run(spec, point="after_model", step=3, where="/runs/x/full/checkpoints"):
+        code = ("import sys; from roundalign.training import checkpoints as C; "
+                f"C.fault_point({point!r}, {step}, {where!r}); sys.exit(7)")
+        env = {**os.environ, "ROUNDALIGN_FAULT_INJECT": spec, "PYTHONPATH": src}
+        if env.get("MUTANT_UNDER_TEST") == "stats":  # mutmut's coverage pass: the child needs no mutant (and has
+            del env["MUTANT_UNDER_TEST"]              # no pyproject.toml in its cwd to record hits with)
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120).returncode
+
+    assert run("after_model@3") == -signal.SIGKILL
+    assert run("after_model@3") == -signal.SIGKILL  # without a once-file: every time
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # and nothing written
+    assert run("after_model@4") == 7 and run("after_rng@3") == 7
+    assert run("after_model@3@@/full/") == -signal.SIGKILL and run("after_model@3@@/baseline/") == 7
+    assert run(f"after_model@3@{once}") == -signal.SIGKILL
+    assert once.read_text() == f"after_model@3@{once}\n"  # written before the kill
+    assert run(f"after_model@3@{once}") == 7  # the retried job gets past it
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small exact behaviours that survived ``make mutation`` (each assertion names what it pins)
+
+
+def test_round_toward_zero_truncates_bf16_only_and_keeps_the_requested_dtype():
+    x = torch.tensor([1.0 + 2.0**-8 + 2.0**-10, -(1.0 + 2.0**-8 + 2.0**-10), 3.0], dtype=F32)
+    got = regions.round_toward_zero(x, BF16)
+    assert got.dtype == BF16 and got.tolist() == [1.0, -1.0, 3.0]  # RNE would give 1 + 2^-7
+    half = regions.round_toward_zero(x, torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, x.to(torch.float16))  # other dtypes: to nearest
+    assert regions.round_toward_zero(x, F32).dtype == F32
+    cos, sin = _distinct_tables(1, 3, 8, 0)
+    xb = _rand_bf16((1, 1, 3, 8), 0)
+    out = regions.rope_fused_rz(xb, cos, sin, out_dtype=F32)  # fp32 out: nothing to truncate
+    assert out.dtype == F32 and torch.equal(out, _ref_rope_fp32(xb, cos, sin))
+
+
+def test_numerics_package_resolves_the_patch_names_lazily():
+    import roundalign.numerics as N
+    from roundalign.numerics import patch
+
+    for name in ("SUPPORTED_MODEL_CLASSES", "alignment_of", "apply_alignment"):
+        assert N.__getattr__(name) is getattr(patch, name)
+    with pytest.raises(AttributeError, match=r"^module 'roundalign.numerics' has no attribute 'nope'$"):
+        N.__getattr__("nope")
+
+
+def _token(**kw):
+    base = {"is_ratio_mean": 1.0, "ess_frac": 1.0, "is_ratio_std": 0.0, "mismatch_k1": 0.0, "mismatch_chi2": 0.0}
+    return {k: torch.tensor(v, dtype=F64) for k, v in {**base, **kw}.items()}
+
+
+@pytest.mark.parametrize("kw,flag", [
+    ({"is_ratio_mean": 0.49}, "is_mean"), ({"is_ratio_mean": 2.01}, "is_mean"), ({"ess_frac": 0.29}, "ess"),
+    ({"is_ratio_std": 1.01}, "is_std"), ({"mismatch_k1": -0.11}, "kl"), ({"mismatch_k1": 0.11}, "kl"),
+    ({"mismatch_chi2": 1.01}, "chi2"),
+    # each threshold itself is healthy (verl warns strictly beyond it)
+    ({"is_ratio_mean": 0.5}, None), ({"is_ratio_mean": 2.0}, None), ({"ess_frac": 0.3}, None),
+    ({"is_ratio_std": 1.0}, None), ({"mismatch_k1": -0.1}, None), ({"mismatch_chi2": 1.0}, None)])
+def test_each_verl_flag_alone_sets_any_and_thresholds_are_strict(kw, flag):
+    from roundalign.metrics import verl_health_flags
+
+    flags = verl_health_flags(_token(**kw))
+    assert all(v.dtype == F64 for v in flags.values())
+    want = {k: float(k == flag) for k in ("is_mean", "ess", "is_std", "kl", "chi2")}
+    assert {k: float(v) for k, v in flags.items()} == {**want, "any": float(flag is not None)}
+
+
+def test_mismatch_metrics_errors_name_the_input_and_an_is_clip_of_one_is_allowed():
+    from roundalign.metrics import mismatch_metrics
+
+    t = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    cases = [
+        (([[0.0]], t, m), "train_logp must be a torch.Tensor, got list"),
+        ((t, [[0.0]], m), "engine_logp must be a torch.Tensor, got list"),
+        ((t, torch.zeros(2, 3, dtype=torch.int64), m), "engine_logp must be a floating-point tensor, got dtype torch.int64"),
+        ((torch.zeros(2, 3, dtype=torch.int32), t, m), "train_logp must be a floating-point tensor, got dtype torch.int32"),
+        ((t, t, m.float()), r"mask must be a torch.bool tensor \(True = completion token\), got torch.float32"),
+        ((t, t, [[True]]), r"mask must be a torch.bool tensor \(True = completion token\), got list"),
+        ((t, torch.zeros(2, 4), m), r"input shapes must all match \(B, T\): train_logp=\(2, 3\), engine_logp=\(2, 4\), "
+                                    r"mask=\(2, 3\)$"),
+        ((t, t, ~m), r"^mask selects no tokens: mismatch metrics need at least one completion token \(mask shape \(2, 3\)\)$"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            mismatch_metrics(*args)
+    with pytest.raises(ValueError, match=r"entropy must be a torch.Tensor, got str"):
+        mismatch_metrics(t, t, m, entropy="high")
+    with pytest.raises(ValueError, match=r"input shapes must all match \(B, T\): .*mask=\(2, 3\), entropy=\(3,\)$"):
+        mismatch_metrics(t, t, m, entropy=torch.zeros(3))
+    # is_clip = 1: the band is [1, 1]; a ratio of exactly 1 is inside it, any other ratio outside
+    out = mismatch_metrics(t, torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.5, -0.5]]), m, is_clip=1.0)["token"]
+    assert out["is_ratio_outside_frac"].item() == 2 / 6
+
+
+def test_set_aside_takes_the_first_free_name_starting_at_dot_one(tmp_path):
+    from roundalign.training import checkpoints as C
+
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "incomplete" / "checkpoint-2").mkdir(parents=True)
+    rec = C.set_aside(tmp_path / "checkpoint-2", "why")
+    assert rec == {"checkpoint": "checkpoint-2", "problem": "why", "moved_to": str(tmp_path / "incomplete/checkpoint-2.1")}
+
+
+def test_rounding_plan_accepts_every_documented_value_and_names_what_it_refuses():
+    from roundalign.numerics.plan import RoundingPlan
+
+    RoundingPlan(rope="fused-rz")
+    RoundingPlan(rope="fused", norm="fused", qk_norm_rope="fused")
+    for residual in ("fp32", "fp32-stream"):
+        RoundingPlan(norm="fused", residual=residual)
+        with pytest.raises(ValueError, match=rf"^RoundingPlan: residual='{residual}' needs norm='fused' \(a compiled "
+                                             r"engine fuses the norm that reads the fp32 sum\)$"):
+            RoundingPlan(residual=residual)
+    with pytest.raises(ValueError, match=r"^RoundingPlan.swiglu='fp32', expected one of \['hf', 'fused'\]$"):
+        RoundingPlan(swiglu="fp32")
+    with pytest.raises(ValueError, match=r"^RoundingPlan: qk_norm_rope='fused' needs both norm and rope 'fused'$"):
+        RoundingPlan(rope="fused-rz", norm="fused", qk_norm_rope="fused")
+
+
+@pytest.mark.parametrize("avx512,bf16,build,rope", [(True, True, "_C", "fused"), (True, False, "_C_AVX512", "fused-rz"),
+                                                    (False, True, "_C_AVX2", "fused-rz")])
+def test_cpu_kernel_build_and_its_rope_rounding(monkeypatch, avx512, bf16, build, rope):
+    from roundalign.numerics import plan
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    assert plan.cpu_kernel_build() == build
+    assert plan.cpu_rope_rounding() == rope == plan.cpu_rope_rounding(build)
+    assert plan.engine_plan("vllm-cpu-eager").rope == rope
+    assert plan.cpu_rope_rounding("_C") == "fused" and plan.cpu_rope_rounding("_C_AVX2") == "fused-rz"
+
+
+def test_row_chunks_cover_every_row_once_in_chunks_of_the_element_budget(monkeypatch):
+    monkeypatch.setattr(regions, "_SWIGLU_CHUNK_ELEMS", 8)
+    monkeypatch.setattr(regions, "_SWIGLU_CHUNK_ELEMS_ACCELERATOR", 4)
+    a = torch.arange(3 * 5 * 4, dtype=F32).reshape(3, 5, 4)
+    b = -a
+    chunks = list(regions._row_chunks(a, b))
+    assert [tuple(x.shape) for x, _ in chunks] == [(2, 4)] * 7 + [(1, 4)]  # 15 rows of 4: 8 elements = 2 rows
+    assert torch.equal(torch.cat([x for x, _ in chunks]), a.reshape(15, 4))
+    assert torch.equal(torch.cat([y for _, y in chunks]), b.reshape(15, 4))
+    wide = torch.zeros(2, 3, 16)  # a row wider than the budget: one row per chunk
+    assert [tuple(x.shape) for (x,) in regions._row_chunks(wide)] == [(1, 16)] * 6
+    off_cpu = torch.empty(3, 5, 4, device="meta")  # not the CPU: the accelerator's budget (4 elements = 1 row)
+    assert [tuple(x.shape) for (x,) in regions._row_chunks(off_cpu)] == [(1, 4)] * 15
+    # and the chunked SwiGLU region gives the unchunked bits
+    gate, up = _rand_bf16((3, 5, 4), 0, 4.0), _rand_bf16((3, 5, 4), 1)
+    assert torch.equal(regions._swiglu_fused_chunked(gate, up), regions.swiglu_fused(gate, up))
+
+
+def test_add_rmsnorm_bf16_sum_passes_its_reduction_order_on():
+    x, r, w = _rand_bf16((2, 64), 0), _rand_bf16((2, 64), 1), _rand_bf16((64,), 2).abs()
+    with pytest.raises(ValueError, match="does not tile a row of 64 elements"):
+        regions.add_rmsnorm_bf16_sum(x, r, w, 1e-6, sum_order=(16, 3))
+    got, s = regions.add_rmsnorm_bf16_sum(x, r, w, 1e-6, sum_order=(8, 2))
+    assert torch.equal(s, x + r) and torch.equal(got, regions.rmsnorm_fused(x + r, w, 1e-6, sum_order=(8, 2)))
+
+
+def _np_sum_sq_in_order(x: np.ndarray, vec: int, n: int) -> np.ndarray:
+    """The order ``sum_sq_in_order`` documents, in numpy float32, element by element: lane k of the n*vec-wide
+    accumulator adds the squares of elements k, k + n*vec, ... in row order; the n vectors are added one after
+    another; then the vec lanes fold by halves (lane l += lane l + half)."""
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    out = np.empty(rows.shape[0], dtype=np.float32)
+    width = vec * n
+    for i, row in enumerate(rows):
+        acc = [np.float32(0)] * width
+        for j in range(0, row.size, width):
+            for k in range(width):
+                acc[k] = np.float32(acc[k] + np.float32(row[j + k] * row[j + k]))
+        v = acc[:vec]
+        for m in range(1, n):
+            v = [np.float32(v[l] + acc[m * vec + l]) for l in range(vec)]
+        half = vec // 2
+        while half:
+            v = [np.float32(v[l] + v[l + half]) for l in range(half)]
+            half //= 2
+        out[i] = v[0]
+    return out.reshape(*x.shape[:-1], 1)
+
+
+@pytest.mark.parametrize("vec,n", [(8, 1), (4, 2), (16, 2), (2, 4)])
+def test_sum_sq_in_order_is_the_documented_order_bitwise(vec, n):
+    g = torch.Generator().manual_seed(vec * 10 + n)
+    x = torch.randn(3, 2, 64, generator=g) * torch.logspace(-3, 3, 64)  # magnitudes over 6 decades: order matters
+    got = regions.sum_sq_in_order(x, (vec, n))
+    want = _np_sum_sq_in_order(x.numpy(), vec, n)
+    assert got.shape == (3, 2, 1) and got.dtype == F32
+    assert np.array_equal(got.numpy(), want)
+    with pytest.raises(ValueError, match=r"^reduction order \(vec=3, n=1\) does not tile a row of 64 elements: vec "
+                                         r"must be a power of two and the row a multiple of vec \* n$"):
+        regions.sum_sq_in_order(x, (3, 1))
+    for bad in ((0, 1), (8, 0), (16, 3)):
+        with pytest.raises(ValueError):
+            regions.sum_sq_in_order(x, bad)
+    assert np.array_equal(regions.rmsnorm_fused(x, torch.ones(64), 1e-6, sum_order=(vec, n), keep_fp32=True).numpy(),
+                          (x * torch.rsqrt(torch.from_numpy(want) / 64 + 1e-6)).numpy())
+
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_eager_region_nodes_compute_their_formula_and_its_gradients(dtype):
+    """Each eager region node (what a patched model calls) against the plain formula: forward bitwise, gradients
+    bitwise those of autograd on the formula (the node recomputes it in backward), for bf16 and fp32 inputs."""
+    K = regions.region_kernels("eager")
+    assert K.mode == "eager" and regions.region_kernels("eager") is K
+    x, r = _rand_bf16((2, 3, 64), 0).to(dtype), _rand_bf16((2, 3, 64), 1, 4.0).to(dtype)
+    w = (_rand_bf16((64,), 2).abs() + 0.5).to(dtype)
+    cases = {
+        "swiglu_fused": ((x, r), {}),
+        "rmsnorm_fused": ((x, w), {"eps": 1e-6}),
+        "add_rmsnorm_fp32_sum": ((x, r, w), {"eps": 1e-6}),
+        "add_rmsnorm_bf16_sum": ((x, r, w), {"eps": 1e-6}),
+    }
+    for name, (inputs, kw) in cases.items():
+        formula = getattr(regions, name)
+        a = [t.clone().requires_grad_(True) for t in inputs]
+        b = [t.clone().requires_grad_(True) for t in inputs]
+        got, want = getattr(K, name)(*a, **kw), formula(*b, **kw)
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        assert all(g.dtype == v.dtype and torch.equal(g, v) for g, v in zip(got, want)), name
+        grads = [_rand_bf16(v.shape, 7 + i).to(v.dtype) for i, v in enumerate(want)]
+        torch.autograd.backward(got, grads)
+        torch.autograd.backward(want, grads)
+        for i, (ga, gb) in enumerate(zip(a, b)):
+            assert ga.grad.dtype == gb.grad.dtype == dtype and torch.equal(ga.grad, gb.grad), (name, i)
+    cos, sin = _distinct_tables(2, 3, 64, 0)
+    q = x.reshape(2, 1, 3, 64).clone().requires_grad_(True)
+    q2 = q.detach().clone().requires_grad_(True)
+    for name in ("rope_fused", "rope_fused_rz"):
+        out = getattr(K, name)(q, cos, sin)
+        assert torch.equal(out, getattr(regions, name)(q2, cos, sin)) and out.dtype == BF16, name
+    # cos/sin that need gradients (not HF's buffers) go through the recomputing node: x, cos and sin all get theirs
+    c, s_ = cos.clone().requires_grad_(True), sin.clone().requires_grad_(True)
+    c2, s2 = cos.clone().requires_grad_(True), sin.clone().requires_grad_(True)
+    g = _rand_bf16((2, 1, 3, 64), 9)
+    torch.autograd.backward(K.rope_fused(q, c, s_, out_dtype=F32), g.float())
+    torch.autograd.backward(regions.rope_fused(q2, c2, s2, out_dtype=F32), g.float())
+    assert torch.equal(q.grad, q2.grad) and torch.equal(c.grad, c2.grad) and torch.equal(s_.grad, s2.grad)
+    with pytest.raises(TypeError, match="^rmsnorm_fused: pass non-tensor arguments by keyword in the kernel namespace$"):
+        K.rmsnorm_fused(x, w, 1e-6)
+    with pytest.raises(ValueError, match=r"^unknown region kernel mode 'fast'; valid: eager, compiled$"):
+        regions.region_kernels("fast")
