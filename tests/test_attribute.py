@@ -75,12 +75,21 @@ def test_the_table_is_long_form_and_the_cumulative_shares_add_up(everything):
 
 
 @pytest.mark.parametrize("source", A.SOURCES)
-def test_negative_control_undoing_a_source_stops_the_waterfall_short_of_zero(model_dir, tmp_path, source):
-    # the step is still taken and labelled, but its equalization is skipped: the last step must no longer be
-    # bitwise (k3 above 0, or for the sampler's fp32 order, which moves logprobs by ~1e-7, tokens no longer exact)
-    table, _ = _run(model_dir, tmp_path, undo=(source,), num_resamples=20)
-    assert _final(table, "exact_frac") < 1.0, source
-    assert _final(table, "k3") > 0.0, source
+def test_negative_control_undoing_a_source_stops_its_step_removing_its_share(everything, model_dir, tmp_path,
+                                                                             source):
+    # the step is still taken and labelled, but its equalization is skipped: it must then remove exactly nothing,
+    # where with it in place it removes something, and the waterfall no longer ends bitwise
+    _, table, _ = everything
+    step = A.SOURCES.index(source) + 1
+    # with its equalization, the source removes something alone (against nothing equalized); cumulatively too,
+    # except batching: once positions start at 0, padding changes no bit here (masked keys get weight exactly 0)
+    assert table[(step, source, "alone", "k3_removed")] != 0.0, source
+    assert (table[(step, source, "cumulative", "k3_removed")] != 0.0) == (source != "batching"), source
+    undone, _ = _run(model_dir, tmp_path, undo=(source,), num_resamples=20)
+    for mode in ("cumulative", "alone"):
+        assert undone[(step, source, mode, "k3_removed")] == 0.0, (source, mode)
+    if source not in ("positions", "batching"):  # each of these two makes the other's end state bitwise here
+        assert _final(undone, "exact_frac") < 1.0 and _final(undone, "k3") > 0.0, source
 
 
 def test_the_engine_replays_its_own_samples_bit_for_bit(model_dir):
@@ -108,7 +117,7 @@ def test_absent_sources_are_named_with_the_reason(model_dir, tmp_path):
     assert "--engine-gemm same" in why["gemm"] and "kv_cache_dtype auto" in why["kv_cache"]
     assert "already runs the engine's attention (sdpa)" in why["attention"]
     assert "already runs in the engine's precision (bf16)" in why["lm_head"]
-    assert {s for (_, s, _, _) in table} == {"none", "sampling", "decode", "batching", "rounding"}
+    assert {s for (_, s, _, _) in table} == {"none", "sampling", "decode", "positions", "batching", "rounding"}
     assert _final(table, "k3") == 0.0
 
 

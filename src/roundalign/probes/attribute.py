@@ -19,6 +19,10 @@ sampling    the trainer recomputes as TRL 1.16 does: its fused LM head    the tr
                                                                           ``apply_top_k_top_p``)
 decode      the engine's logprobs of its sampled tokens, from KV-cache    the engine's logprobs of the same tokens in
             decoding                                                     one prefill of prompt + completion
+positions   in TRL's padded layout (below), positions count from the      each sequence's first real token at
+            first column, so a left-padded prompt's tokens sit at shifted  position 0, as the engine runs it
+            RoPE positions (transformers 5.17 without ``position_ids``)    (``position_ids`` from the attention mask,
+                                                                          as roundalign's trainer passes them)
 batching    the trainer scores micro-batches of ``micro_batch``           one sequence per forward, no padding
             sequences, prompts left-padded and completions right-padded
             to the longest (TRL's layout)
@@ -35,7 +39,7 @@ rounding    stock transformers numerics (variant ``baseline``)            varian
 ==========  ===========================================================  ==========================================
 
 The cumulative waterfall equalizes them in that order (SOURCES): first how the two logprobs are computed and
-compared (sampling, decode, batching), then the engine-only settings (lm_head, kv_cache), then the kernels (gemm,
+compared (sampling, decode, positions, batching), then the engine-only settings (lm_head, kv_cache), then the kernels (gemm,
 attention), and last the roundings this project aligns, so that its last steps show what the alignment and the
 engine's attention remove. Each source is also equalized alone, against none. A source the backend or the settings
 do not have (a GEMM that already is ``F.linear``, an engine that stores K/V as computed, an fp32 head real vLLM
@@ -68,7 +72,7 @@ import torch
 from roundalign.engine.choices import ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
 
-SOURCES = ("sampling", "decode", "batching", "lm_head", "kv_cache", "gemm", "attention", "rounding")
+SOURCES = ("sampling", "decode", "positions", "batching", "lm_head", "kv_cache", "gemm", "attention", "rounding")
 BACKENDS = ("vllm", "emulated")
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's, for the sampled tokens' logprobs
 VLLM_GEMMS = ("native", "live")  # vLLM-CPU: its own prepacked GEMM, or F.linear on live weights (training's)
@@ -266,6 +270,7 @@ def present_sources(cfg: AttributeConfig, data: EngineData) -> dict[str, str | N
         "decode": None if data.prefill_logp is not None else
         "vLLM's prefill logprobs are the raw log-softmax: comparable with the sampled tokens' only at temperature 1 "
         "without top-k/top-p",
+        "positions": None,
         "batching": None,
         "lm_head": None if cfg.trainer_lm_head_fp32 != cfg.engine_lm_head_fp32 else
         f"the trainer's LM head already runs in the engine's precision ({'fp32' if cfg.engine_lm_head_fp32 else cfg.dtype})",
@@ -446,10 +451,14 @@ def trainer_logprobs(model, data: EngineData, state: frozenset, cfg: AttributeCo
     device = next(model.parameters()).device
     for rows, ids, mask, P in _layout(data, pad_id, None if "batching" in state else cfg.micro_batch):
         ids, mask, C = ids.to(device), mask.to(device), ids.shape[1] - P
+        extra = {}
+        if "positions" in state:  # each sequence's first real token at 0 (unpadded: the default positions)
+            extra["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
         if "sampling" not in state:  # what TRL 1.16 recomputes: its fused LM head over the completion positions
-            logp = trl_recompute_logprobs(model, ids, mask, C, cfg.temperature, cast_lm_head_to_fp32=fp32_head)
+            logp = trl_recompute_logprobs(model, ids, mask, C, cfg.temperature, cast_lm_head_to_fp32=fp32_head,
+                                          **extra)
         else:
-            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, P - 1:-1]
+            hidden = model.model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state[:, P - 1:-1]
             w = model.get_output_embeddings().weight
             logits = torch.nn.functional.linear(hidden.float(), w.float()) if fp32_head else model.lm_head(hidden)
             logp = _engine_sampler_logprobs(logits.reshape(-1, logits.shape[-1]), ids[:, P:].reshape(-1),

@@ -332,7 +332,7 @@ def vllm_llm_overrides(**llm_kwargs):
 
 @torch.no_grad()
 def trl_recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                           temperature: float, cast_lm_head_to_fp32: bool = False) -> torch.Tensor:
+                           temperature: float, cast_lm_head_to_fp32: bool = False, **model_kwargs) -> torch.Tensor:
     """The per-token logprobs TRL 1.16's GRPOTrainer recomputes for the last ``logits_to_keep`` tokens, by its own
     code: the fused LM head TRL installs (``trl.trainer.utils.add_fused_lm_head``, at the run's temperature) called
     as ``_get_per_token_logps_and_entropies`` calls it (labels -100 outside the completion, ``fused_lm_head=True``).
@@ -344,7 +344,8 @@ def trl_recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch
     try:
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
+                    **model_kwargs)
         return out.log_probs[:, -logits_to_keep:]
     finally:
         del model.forward
