@@ -31,6 +31,7 @@ include: "workflow/rules/figures_common.smk"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/probe.smk"
+include: "workflow/rules/attribute.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
 
@@ -38,8 +39,9 @@ include: "workflow/rules/report.smk"
 rule all:
     default_target: True
     input:
-        figure_targets(SWEEP.name),
+        figure_targets(SWEEP.name, SWEEP.attribution is not None),
         aggregate_targets(SWEEP.name),
+        attribution_outputs(SWEEP.name),
         stress_figure_targets(SWEEP.name) if SWEEP.stress else [],
 
 

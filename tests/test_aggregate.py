@@ -10,8 +10,8 @@ import torch
 
 torch.set_num_threads(1)  # roundalign imports torch; keep CPU tests single-threaded
 
-from roundalign.analysis.aggregate import (PROBE_COLUMNS, PROBE_LAYERS_COLUMNS, RUN_STATUS_COLUMNS, RUNS_COLUMNS, aggregate,
-                                  collect)
+from roundalign.analysis.aggregate import (ATTRIBUTION_COLUMNS, PROBE_COLUMNS, PROBE_LAYERS_COLUMNS, RUN_STATUS_COLUMNS,
+                                           RUNS_COLUMNS, aggregate, collect)
 from roundalign.cli import main
 
 
@@ -263,3 +263,105 @@ def test_a_real_engine_probes_layer_table_is_named_for_the_emulated_engine_it_co
     assert sorted(zip(layers["model"], layers["engine"])) == [("m1", "e"), ("m2", "e_emulated"),
                                                               ("m2", "e_teacher_forced")]
     assert set(pd.read_csv(tmp_path / "agg" / "probe.csv")["engine"]) == {"e"}
+
+
+# ----------------------------------------------------------------------------------------- attribution
+
+ATTRIBUTION_FILE_COLUMNS = ["step", "source", "mode", "metric", "value", "ci_low", "ci_high"]
+
+
+def write_attribution(root: Path, model: str, engine: str, rows: list[tuple] | None = None, text: str | None = None):
+    """``roundalign attribute``'s attribution.csv of one model and engine (its rows as the command orders them)."""
+    d = root / "attribution" / model / engine
+    d.mkdir(parents=True, exist_ok=True)
+    if text is not None:
+        (d / "attribution.csv").write_text(text)
+    else:
+        pd.DataFrame(rows, columns=ATTRIBUTION_FILE_COLUMNS).to_csv(d / "attribution.csv", index=False)
+    (d / "attribution.json").write_text("{}")
+    return d / "attribution.csv"
+
+
+def attribution_rows(k3_none: float, k3_last: float) -> list[tuple]:
+    # the command's order: step 0, then the cumulative steps, then the alone ones (not sorted by step)
+    return [(0, "none", "cumulative", "k3", k3_none, k3_none / 2, k3_none * 2),
+            (1, "sampling", "cumulative", "k3", k3_none, k3_none / 2, k3_none * 2),
+            (1, "sampling", "cumulative", "k3_removed", 0.0, -1e-5, 1e-5),
+            (2, "rounding", "cumulative", "k3", k3_last, 0.0, k3_last * 3),
+            (2, "rounding", "cumulative", "k3_removed", k3_none - k3_last, 1 / 3, 0.5),
+            (1, "sampling", "alone", "k3", k3_none, k3_none / 2, k3_none * 2),
+            (2, "rounding", "alone", "k3", 1e-300, 0.0, float("nan"))]
+
+
+def test_attribution_tables_are_concatenated_with_model_and_engine_columns(tree, capsys):
+    write_attribution(tree, "m2", "vllm-eager", attribution_rows(3e-4, 0.0))
+    write_attribution(tree, "m1", "vllm-eager", attribution_rows(2e-4, 1e-6))
+    write_attribution(tree, "m1", "vllm-compiled", attribution_rows(1e-4, 0.0))
+    out = tree / "aggregate"
+    agg = aggregate(tree, out)
+    assert "3 attributions" in capsys.readouterr().out
+    text = (out / "attribution.csv").read_text().splitlines()
+    assert text[0] == ",".join(ATTRIBUTION_COLUMNS)
+    table = pd.read_csv(out / "attribution.csv")
+    assert len(table) == 3 * 7 and set(table["sweep"]) == {"smoke"}
+    # models and engines sorted, each attribution's rows in the order the command wrote them (a stable sort)
+    assert list(table[["model", "engine"]].drop_duplicates().itertuples(index=False, name=None)) == [
+        ("m1", "vllm-compiled"), ("m1", "vllm-eager"), ("m2", "vllm-eager")]
+    first = table[(table["model"] == "m1") & (table["engine"] == "vllm-compiled")]
+    assert list(first["step"]) == [0, 1, 1, 2, 2, 1, 2] and list(first["mode"][-2:]) == ["alone", "alone"]
+    # the numbers as written: repr floats, exact zeros as 0.0, NaN as an empty field
+    assert "smoke,m1,vllm-compiled,2,rounding,cumulative,k3,0.0,0.0,0.0" in text
+    assert "smoke,m1,vllm-compiled,2,rounding,cumulative,k3_removed,0.0001,0.3333333333333333,0.5" in text
+    assert "smoke,m1,vllm-compiled,2,rounding,alone,k3,1e-300,0.0," in text
+    assert agg.attribution is not None and list(agg.attribution.columns) == list(ATTRIBUTION_COLUMNS)
+    # the general tables are not touched by it
+    assert not (set(pd.read_csv(out / "probe.csv")["model"]) & {"m2"})
+
+
+def test_attribution_rebuilds_byte_identically_whatever_the_file_order(tmp_path):
+    def build(root, order):
+        write_run(root, "m1", "baseline", 0, steps(2, k3=lambda s: s * 1e-5))
+        for model, engine in order:
+            write_attribution(root, model, engine, attribution_rows(1 / 7, 1 / 9))
+
+    pairs = [("m1", "e1"), ("m1", "e2"), ("m2", "e1")]
+    build(tmp_path / "a", pairs)
+    build(tmp_path / "b", list(reversed(pairs)))
+    aggregate(tmp_path / "a", tmp_path / "out1", sweep="s", log=lambda _: None)
+    aggregate(tmp_path / "a", tmp_path / "out2", sweep="s", log=lambda _: None)
+    aggregate(tmp_path / "b", tmp_path / "out3", sweep="s", log=lambda _: None)
+    first = (tmp_path / "out1" / "attribution.csv").read_bytes()
+    assert first == (tmp_path / "out2" / "attribution.csv").read_bytes() == \
+        (tmp_path / "out3" / "attribution.csv").read_bytes()
+
+
+def test_no_attribution_no_table_and_a_stale_one_is_removed(tree, capsys):
+    out = tree / "aggregate"
+    agg = aggregate(tree, out, log=lambda _: None)
+    assert agg.attribution is None and not (out / "attribution.csv").exists()
+    # an earlier aggregate's table, whose attributions are gone, does not outlive them
+    write_attribution(tree, "m1", "vllm-eager", attribution_rows(2e-4, 0.0))
+    aggregate(tree, out, log=lambda _: None)
+    assert (out / "attribution.csv").is_file()
+    import shutil
+
+    shutil.rmtree(tree / "attribution")
+    aggregate(tree, out, log=lambda _: None)
+    assert not (out / "attribution.csv").exists()
+    assert (out / "runs.csv").is_file()
+
+
+@pytest.mark.parametrize("text,reason", [
+    ("step,source,mode,metric,value\n0,none,cumulative,k3,1.0\n", "wrong columns: missing ci_low, ci_high"),
+    ("step,source,mode,metric,value,ci_low,ci_high\n0,none,cumulative,k3,abc,0,1\n", "non-numeric value 'abc'"),
+    ("step,source,mode,metric,value,ci_low,ci_high\nx,none,cumulative,k3,1,0,1\n", "non-integer 'step'"),
+])
+def test_a_bad_attribution_table_is_named_and_skipped(tree, text, reason, capsys):
+    bad = write_attribution(tree, "m1", "vllm-eager", text=text)
+    write_attribution(tree, "m1", "vllm-compiled", attribution_rows(2e-4, 0.0))
+    agg = aggregate(tree, tree / "aggregate", log=lambda _: None)
+    assert agg.skipped == [(str(bad), next(r for p, r in agg.skipped))] and reason in agg.skipped[0][1]
+    assert set(agg.attribution["engine"]) == {"vllm-compiled"}
+    assert str(bad) in capsys.readouterr().err
+    with pytest.raises(ValueError, match="attribution.csv"):
+        aggregate(tree, tree / "aggregate2", strict=True, log=lambda _: None)

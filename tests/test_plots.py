@@ -230,7 +230,9 @@ def test_cli_plot_selected_figures(agg_dir, tmp_path, capsys):
 
 
 def test_captions_cover_every_output_stem():
-    assert set(CAPTIONS) == set(FIGURES) == set(IMAGE_STEMS) | {"summary"}
+    from roundalign.analysis.plots import OPTIONAL_FIGURES
+
+    assert set(CAPTIONS) == set(FIGURES) == set(IMAGE_STEMS) | set(OPTIONAL_FIGURES) | {"summary"}
     assert all(len(c) > 100 and "\n" not in c for c in CAPTIONS.values())
 
 
@@ -483,3 +485,100 @@ def test_fig_probe_layer_panels_have_a_labelled_tick_above_their_data():
         lo, hi = ax.get_ylim()
         ticks = [t for t in ax.get_yticks() if lo <= t <= hi]
         assert max(ticks) >= top and hi >= top, (ticks, hi)
+
+
+# -- fig_attribution (roundalign attribute's tables, concatenated by the aggregate) --------------------------------
+
+def _attribution_frame() -> pd.DataFrame:
+    """m1 against e1 and e2, m2 against e1 only: k3 2e-4 at step 0, unchanged by sampling, halved by batching, an
+    exact 0 after rounding; alone, rounding leaves 5e-5 with an interval down to a few ulps."""
+    for model, engine in (("m1", "e1"), ("m1", "e2"), ("m2", "e1")):
+        rows = []
+        k3 = [("none", 2e-4), ("sampling", 2e-4), ("batching", 1e-4), ("rounding", 0.0)]
+        for step, (source, v) in enumerate(k3):
+            rows.append((step, source, "cumulative", "k3", v, v / 2, v * 2))
+            if step:
+                removed = k3[step - 1][1] - v
+                rows.append((step, source, "cumulative", "k3_removed", removed, removed / 2, removed * 2))
+        for step, (source, v) in enumerate([("sampling", 2e-4), ("batching", 1e-4), ("rounding", 5e-5)], 1):
+            rows.append((step, source, "alone", "k3", v, 1e-14 if source == "rounding" else v / 2, v * 2))
+        yield from (("syn", model, engine, *r) for r in rows)
+
+
+def _attribution_aggregate(path: Path) -> Path:
+    from roundalign.analysis.aggregate import ATTRIBUTION_COLUMNS
+
+    t = _tables()
+    t.attribution = pd.DataFrame(list(_attribution_frame()), columns=list(ATTRIBUTION_COLUMNS))
+    write_aggregate(t, path)
+    return path
+
+
+def test_fig_attribution_is_drawn_where_the_aggregate_has_attribution_and_rebuilds_byte_identically(tmp_path):
+    agg = _attribution_aggregate(tmp_path / "agg")
+    a = make_all(agg, tmp_path / "a", formats=("png", "pdf"), log=lambda _: None)
+    b = make_all(agg, tmp_path / "b", formats=("png", "pdf"), figures=["fig_attribution"], log=lambda _: None)
+    assert {p.name for p in a} == {f"{stem}.{ext}" for stem in IMAGE_STEMS + ["fig_attribution"]
+                                   for ext in ("png", "pdf")} | {"summary.csv", "summary.md"}
+    assert [p.name for p in b] == ["fig_attribution.png", "fig_attribution.pdf"]
+    for p in b:
+        assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name
+    assert (tmp_path / "a" / "fig_attribution.png").stat().st_size > 20_000
+
+
+def test_fig_attribution_asked_for_without_its_table_names_it(agg_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="attribution.csv"):
+        make_all(agg_dir, tmp_path, formats=("png",), figures=["fig_attribution"], log=lambda _: None)
+
+
+def test_fig_attribution_panels_per_model_and_engine_with_exact_zeros_on_the_floor(tmp_path):
+    from roundalign.analysis.plots.fig_attribution import plot_attribution
+
+    table = C.load_table(_attribution_aggregate(tmp_path / "agg"), "attribution")
+    fig, axes = plot_attribution(table)
+    assert axes.shape == (2, 2)  # models in rows, engines in columns
+    assert [ax.get_title() for ax in axes.ravel()] == ["m1: e1", "m1: e2", "m2: e1", "m2: e2"]
+    assert _no_data_texts(fig) == ["no attribution of\nm2 against e2"]
+    ax = axes[0, 0]
+    assert ax.get_yscale() == "log"
+    floor = [line for line in ax.get_lines() if line.get_gid() == "zero_floor"]
+    # a decade below the smallest positive k3 (5e-5), not below the rounding interval's 1e-14
+    assert len(floor) == 1 and floor[0].get_ydata()[0] == pytest.approx(1e-6)
+    assert C.ZERO_LABEL in [t.get_text() for t in ax.texts]
+    cumulative = next(c for c in ax.containers if c.lines[0].get_gid() == "cumulative")
+    assert list(cumulative.lines[0].get_ydata()) == pytest.approx([2e-4, 2e-4, 1e-4, 1e-6])  # the 0 on the floor
+    alone = next(c for c in ax.containers if c.lines[0].get_gid() == "alone")
+    assert list(alone.lines[0].get_ydata()) == pytest.approx([2e-4, 1e-4, 5e-5])
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks == ["none", "+sampling\n0%", "+batching\n50%", "+rounding\n50%"]
+    assert ax.get_ylim()[0] < 1e-6
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["cumulative: sources equalized so far",
+                                                                  "this source alone"]
+
+
+def test_fig_attribution_keeps_its_labels_apart(tmp_path):
+    # panel titles, two-line step labels, the legend below and the two-line title: nothing overlaps
+    from matplotlib.transforms import Bbox
+
+    from roundalign.analysis.plots.fig_attribution import plot_attribution
+
+    fig, axes = plot_attribution(C.load_table(_attribution_aggregate(tmp_path / "agg"), "attribution"))
+    C.save(fig, tmp_path, "f", ("png",))  # lays the figure out
+    with C.style():
+        r = fig._get_renderer()
+        page = Bbox.from_bounds(0, 0, fig.bbox.width, fig.bbox.height)
+        panels = [ax.get_tightbbox(r) for ax in fig.axes]
+        others = [fig.legends[0].get_window_extent(r), fig._suptitle.get_window_extent(r)]
+    for i, box in enumerate(panels):
+        assert page.expanded(1.01, 1.01).contains(box.x0, box.y0) and page.expanded(1.01, 1.01).contains(box.x1, box.y1)
+        assert not any(box.shrunk(0.999, 0.999).overlaps(o) for o in panels[i + 1:] + others), i
+
+
+def test_the_commands_waterfall_is_one_png(tmp_path):
+    from roundalign.analysis.plots.fig_attribution import draw_waterfall
+
+    rows = [dict(zip(["step", "source", "mode", "metric", "value", "ci_low", "ci_high"], r[3:]))
+            for r in _attribution_frame() if r[1:3] == ("m1", "e1")]
+    path = draw_waterfall(rows, tmp_path / "waterfall.png", title="m1: e1 (emulated)")
+    again = draw_waterfall(rows, tmp_path / "again.png", title="m1: e1 (emulated)")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.read_bytes() == again.read_bytes()

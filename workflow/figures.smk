@@ -3,8 +3,9 @@ missing table is a clear MissingInputException instead of a retraining.
 
     snakemake -s workflow/figures.smk --cores all      # (make figures runs its command directly)
 
-Every sweep with a committed results/<sweep>/aggregate/runs.csv is plotted into figures/<sweep>/, and one with
-results/<sweep>/aggregate/stress_runs.csv also gets the stress figures. One job draws them all, in one process:
+Every sweep with a committed results/<sweep>/aggregate/runs.csv is plotted into figures/<sweep>/, one with
+results/<sweep>/aggregate/stress_runs.csv also gets the stress figures, and one with attribution.csv there
+fig_attribution. One job draws them all, in one process:
 the plotting imports are paid once and each table is read once, so adding a sweep adds only its figures' time
 (a process per sweep and kind cost ~4 s each on 2 cores, most of `make figures`), and the figures are shared
 out among forked workers, one per core given (`--cores`; the same bytes as one process).
@@ -26,12 +27,16 @@ if not SWEEPS:
 STRESS_SWEEPS = [
     s for s in SWEEPS if Path(f"results/{s}/aggregate/stress_runs.csv").is_file()
 ]
+# sweeps whose aggregate holds an attribution table (attribution: enabled) also get fig_attribution
+ATTRIBUTION_SWEEPS = [
+    s for s in SWEEPS if Path(f"results/{s}/aggregate/attribution.csv").is_file()
+]
 
 
 rule all:
     default_target: True
     input:
-        [figure_targets(s) for s in SWEEPS],
+        [figure_targets(s, s in ATTRIBUTION_SWEEPS) for s in SWEEPS],
         [stress_figure_targets(s) for s in STRESS_SWEEPS],
 
 
@@ -51,8 +56,16 @@ rule all_figures:
             )
             for s in STRESS_SWEEPS
         ],
+        [
+            expand(
+                "results/{sweep}/aggregate/{table}.csv",
+                sweep=s,
+                table=ATTRIBUTION_TABLES,
+            )
+            for s in ATTRIBUTION_SWEEPS
+        ],
     output:
-        [figure_targets(s) for s in SWEEPS],
+        [figure_targets(s, s in ATTRIBUTION_SWEEPS) for s in SWEEPS],
         [stress_figure_targets(s) for s in STRESS_SWEEPS],
     log:
         "logs/figures.log",

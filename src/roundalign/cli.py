@@ -56,7 +56,8 @@ def _add_figure_verbs(sub) -> None:
                     help="comma-separated image formats: png, pdf, svg (default png,pdf)")
     pl.add_argument("--figures", type=_csv_list, default=None,
                     help="comma-separated figure stems to make (default all: fig_reward, fig_k3, fig_is_ratio, "
-                         "fig_logp_diff, fig_probe, summary)")
+                         "fig_logp_diff, fig_probe, fig_attn, summary, and fig_attribution where the aggregate holds "
+                         "attribution.csv)")
     pl.add_argument("--stress", action="store_true",
                     help="also the stress figures (as plot-stress) of each aggregate directory holding "
                          "stress_runs.csv")
@@ -350,8 +351,9 @@ def run_attribute_cli(args) -> None:
     rows = run_attribute(cfg, args.out)
     from roundalign.analysis.plots.fig_attribution import draw_waterfall
 
-    path = draw_waterfall(rows, Path(args.out) / "waterfall.png",
-                          title=f"{Path(cfg.model.rstrip('/')).name}: {cfg.engine} ({cfg.backend})")
+    model = Path(cfg.model.rstrip("/"))
+    name = model.parent.name if model.name == "policy" and model.parent.name else model.name  # a sweep's policy dir
+    path = draw_waterfall(rows, Path(args.out) / "waterfall.png", title=f"{name}: {cfg.engine} ({cfg.backend})")
     print(f"[attribute] wrote {path}")
 
 

@@ -1,5 +1,6 @@
 """A reduced vllm-cpu sweep through Snakemake: configs/vllm-cpu.yaml cut to one tiny model, two variants, one seed
-and a few steps, trained and probed against the real engine (vLLM-CPU 0.31.0), then aggregated and drawn.
+and a few steps, trained, probed and attributed against the real engine (vLLM-CPU 0.31.0), then aggregated and
+drawn.
 
 The committed sweep trains against the compiled engine; this one uses the eager mode (no Inductor compile of a new
 model in every job), the same `--backend vllm` path otherwise."""
@@ -30,6 +31,7 @@ def test_reduced_vllm_cpu_sweep_trains_probes_aggregates_and_draws(tmp_path):
     # the eager engine's region kernels are eager (the committed sweep's compiled ones are its compiled target's)
     cfg["train"].update(steps=3, engine="vllm-cpu-eager", checkpoint_every=2, kernels="eager")
     cfg["probe"].update(engines=["vllm-cpu-eager"], prompts=2, max_new_tokens=4)
+    cfg["attribution"].update(engines=["vllm-cpu-eager"], prompts=2, max_new_tokens=4, resamples=50)
     (tmp_path / "reduced.yaml").write_text(yaml.safe_dump(cfg))
     # no distributed environment from an in-process GRPO run of an earlier test (see conftest.py)
     env = {**{k: v for k, v in os.environ.items()
@@ -52,5 +54,7 @@ def test_reduced_vllm_cpu_sweep_trains_probes_aggregates_and_draws(tmp_path):
     assert set(layers["engine"]) == {"vllm-cpu-eager_emulated", "vllm-cpu-eager_teacher_forced"}
     summary = (tmp_path / "figures/vllm-cpu/summary.md").read_text()
     assert f"| {model} | baseline | 1 | 1 |" in summary and f"| {model} | full | 1 | 1 |" in summary
-    for stem in ("fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe", "fig_attn"):
+    attribution = pd.read_csv(tmp_path / "results/vllm-cpu/aggregate/attribution.csv")
+    assert set(zip(attribution["model"], attribution["engine"])) == {(model, "vllm-cpu-eager")}
+    for stem in ("fig_reward", "fig_k3", "fig_is_ratio", "fig_logp_diff", "fig_probe", "fig_attn", "fig_attribution"):
         assert (tmp_path / f"figures/vllm-cpu/{stem}.png").stat().st_size > 10_000, stem

@@ -66,8 +66,23 @@ def probe_outputs(sweep):
     )
 
 
-# a stress sweep (config key stress:) adds its own tables and figures
-SWEEP_TABLES = AGGREGATE_TABLES + (STRESS_TABLES if SWEEP.stress else [])
+def attribution_outputs(sweep):
+    # none when the config's attribution: is not enabled
+    return expand(
+        "results/{sweep}/attribution/{model}/{engine}/{file}",
+        sweep=sweep,
+        model=SWEEP.attributed_models(),
+        engine=SWEEP.attribution["engines"] if SWEEP.attribution else [],
+        file=["attribution.csv", "attribution.json", "waterfall.png"],
+    )
+
+
+# a stress sweep (config key stress:) adds its own tables and figures, an attribution its table and figure
+SWEEP_TABLES = (
+    AGGREGATE_TABLES
+    + (STRESS_TABLES if SWEEP.stress else [])
+    + (ATTRIBUTION_TABLES if SWEEP.attribution else [])
+)
 
 
 def aggregate_targets(sweep):

@@ -9,6 +9,9 @@ FIGURE_STEMS = [
     "fig_attn",
 ]
 AGGREGATE_TABLES = ["runs", "run_status", "probe", "probe_layers"]
+# drawn where the aggregate has them: a sweep with attribution: enabled (roundalign attribute per model and engine)
+ATTRIBUTION_TABLES = ["attribution"]
+ATTRIBUTION_FIGURE_STEMS = ["fig_attribution"]
 STRESS_TABLES = ["stress_runs", "stress_survival", "stress_gap"]
 STRESS_FIGURE_STEMS = [
     "stress_survival",
@@ -23,11 +26,15 @@ STRESS_FIGURE_STEMS = [
 CONDA_ENV = "../../environment.yml"
 
 
-def figure_targets(sweep):
+def figure_stems(attribution=False):
+    return FIGURE_STEMS + (ATTRIBUTION_FIGURE_STEMS if attribution else [])
+
+
+def figure_targets(sweep, attribution=False):
     return expand(
         "figures/{sweep}/{stem}.{ext}",
         sweep=sweep,
-        stem=FIGURE_STEMS,
+        stem=figure_stems(attribution),
         ext=["png", "pdf"],
     ) + expand("figures/{sweep}/summary.{ext}", sweep=sweep, ext=["csv", "md"])
 

@@ -1,10 +1,14 @@
-# Figures from the aggregated tables only. Included by the main Snakefile and by workflow/figures.smk,
-# the entry point that rebuilds figures from committed tables without any training rule.
+# Figures from the aggregated tables only (the main Snakefile's; workflow/figures.smk, the entry point that rebuilds
+# figures from committed tables without any training rule, has its own rule). fig_attribution where the config's
+# attribution: is enabled.
 
 
 rule figures:
     input:
-        expand("results/{{sweep}}/aggregate/{table}.csv", table=AGGREGATE_TABLES),
+        expand(
+            "results/{{sweep}}/aggregate/{table}.csv",
+            table=AGGREGATE_TABLES + (ATTRIBUTION_TABLES if SWEEP.attribution else []),
+        ),
     output:
         *[
             report(
@@ -12,9 +16,12 @@ rule figures:
                 caption=f"../report/{stem}.rst",
                 category="Figures",
             )
-            for stem in FIGURE_STEMS
+            for stem in figure_stems(SWEEP.attribution is not None)
         ],
-        expand("figures/{{sweep}}/{stem}.pdf", stem=FIGURE_STEMS),
+        expand(
+            "figures/{{sweep}}/{stem}.pdf",
+            stem=figure_stems(SWEEP.attribution is not None),
+        ),
         report(
             "figures/{sweep}/summary.csv",
             caption="../report/summary.rst",

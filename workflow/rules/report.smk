@@ -1,4 +1,4 @@
-# Aggregation of every run and probe into tidy tables, and the figures. The figures rule is shared with
+# Aggregation of every run, probe and attribution into tidy tables, and the figures. The figures rule is shared with
 # workflow/figures.smk, the entry point that rebuilds figures from committed tables without training.
 
 
@@ -6,6 +6,7 @@ rule aggregate:
     input:
         runs=lambda wc: run_outputs(wc.sweep),
         probes=lambda wc: probe_outputs(wc.sweep),
+        attribution=lambda wc: attribution_outputs(wc.sweep),
     output:
         expand("results/{{sweep}}/aggregate/{table}.csv", table=SWEEP_TABLES),
     log:

@@ -1,4 +1,5 @@
-"""Per-run result files of a sweep -> four tidy long tables (the bmi pattern: one file per run, one gather).
+"""Per-run result files of a sweep -> four tidy long tables, and a fifth where the sweep attributes its mismatch
+(the bmi pattern: one file per run, one gather).
 
 Reads, under a results root ``R`` (e.g. ``results/smoke``)::
 
@@ -6,6 +7,7 @@ Reads, under a results root ``R`` (e.g. ``results/smoke``)::
     R/runs/{model}/{variant}/seed{seed}/run.json        status, collapse, versions, ...
     R/probe/{model}/{engine}.csv                        model,engine,variant,level,metric,value
     R/probe/{model}/{engine}_layers.csv                 model,engine,variant,layer,metric,value
+    R/attribution/{model}/{engine}/attribution.csv      step,source,mode,metric,value,ci_low,ci_high
 
 and writes, atomically, into ``out_dir`` (``R/aggregate`` by convention)::
 
@@ -13,6 +15,9 @@ and writes, atomically, into ``out_dir`` (``R/aggregate`` by convention)::
     run_status.csv    sweep,model,variant,seed,status,last_step,...          one row per run
     probe.csv         sweep,model,engine,variant,level,metric,value
     probe_layers.csv  sweep,model,engine,variant,layer,metric,value
+    attribution.csv   sweep,model,engine,step,source,mode,metric,value,ci_low,ci_high   (only where R/attribution/
+                      holds a table: the attribution's rows as ``roundalign attribute`` wrote them, each model and
+                      engine's in its own order, models and engines sorted; no table, no file, and a stale one removed)
 
 Conventions:
 
@@ -23,6 +28,7 @@ Conventions:
 - A JSON ``null`` metric value is kept as an empty ``value`` (NaN): a non-finite loss logged as null is
   evidence of a collapse, not a missing key. Keys that are absent at a step produce no row.
 - Collapsed, preempted, failed and running runs are kept; ``status`` marks them.
+- An attribution's ``model``/``engine`` come from its path (``roundalign attribute`` writes neither).
 - A bad file (missing run.json or metrics.jsonl, a line that is not a JSON object with an integer
   ``step``, a step logged twice, a non-numeric value, an unreadable CSV, missing columns) is named with
   the reason. ``strict=True`` raises one ValueError naming every bad file; otherwise the run or probe
@@ -52,8 +58,10 @@ RUN_STATUS_COLUMNS = ("sweep", "model", "variant", "seed", "status", "last_step"
                       "transformers_version", "trl_version", "gpu_name", "cpu_kernels", "attn", "policy")
 PROBE_COLUMNS = ("sweep", "model", "engine", "variant", "level", "metric", "value")
 PROBE_LAYERS_COLUMNS = ("sweep", "model", "engine", "variant", "layer", "metric", "value")
+ATTRIBUTION_COLUMNS = ("sweep", "model", "engine", "step", "source", "mode", "metric", "value", "ci_low", "ci_high")
 OUTPUT_FILES = {"runs": "runs.csv", "run_status": "run_status.csv", "probe": "probe.csv",
                 "probe_layers": "probe_layers.csv"}
+ATTRIBUTION_FILE = "attribution.csv"  # written only where the sweep has attributions
 STATUSES = ("done", "collapsed", "preempted", "failed", "running")
 
 _SEED_DIR = re.compile(r"seed(\d+)")
@@ -61,10 +69,12 @@ _SEED_DIR = re.compile(r"seed(\d+)")
 
 @dataclass
 class Aggregate:
-    """The four tables plus what was skipped.
+    """The four tables, the attribution table where there is one, and what was skipped.
 
     Attributes:
         runs, run_status, probe, probe_layers: tables with the columns ``*_COLUMNS`` above, sorted.
+        attribution: ``ATTRIBUTION_COLUMNS``, sorted by model and engine (stable: each attribution's rows in its
+            own order); None when the results hold no attribution.
         skipped: ``(path, reason)`` of every bad file, sorted by path (its run or probe file left out).
         warnings: messages about files that were read but disagree with their path.
     """
@@ -73,6 +83,7 @@ class Aggregate:
     run_status: pd.DataFrame
     probe: pd.DataFrame
     probe_layers: pd.DataFrame
+    attribution: pd.DataFrame | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -262,6 +273,35 @@ def _read_probe_csv(path: Path, kind_columns: tuple[str, ...], sweep: str, model
     return df[list(kind_columns)]
 
 
+_ATTRIBUTION_NUMERIC = ("value", "ci_low", "ci_high")
+
+
+def _read_attribution_csv(path: Path, sweep: str, model: str, engine: str) -> pd.DataFrame:
+    """One ``roundalign attribute`` table, labelled with the sweep and its path's model and engine."""
+    need = [c for c in ATTRIBUTION_COLUMNS if c not in ("sweep", "model", "engine")]
+    try:
+        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise _BadFile(path, f"unreadable CSV ({first_line})") from None
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise _BadFile(path, f"wrong columns: missing {', '.join(missing)} (has {', '.join(map(str, df.columns))}; "
+                             f"expected {', '.join(need)})")
+    out = {}
+    for col in _ATTRIBUTION_NUMERIC:
+        num = pd.to_numeric(df[col].replace("", "nan"), errors="coerce")
+        bad = df[col][num.isna() & ~df[col].str.lower().isin(["", "nan"])]
+        if len(bad):
+            raise _BadFile(path, f"non-numeric {col} {bad.iloc[0]!r} (row {bad.index[0] + 2})")
+        out[col] = num.astype("float64")
+    step = pd.to_numeric(df["step"], errors="coerce")
+    if step.isna().any() or (step != step.round()).any():
+        raise _BadFile(path, "non-integer 'step'")
+    df = df.assign(sweep=sweep, model=model, engine=engine, step=step.astype("int64"), **out)
+    return df[list(ATTRIBUTION_COLUMNS)]
+
+
 def _bad(skipped: list, exc: _BadFile) -> None:
     skipped.append((str(exc.path), exc.reason))
 
@@ -272,7 +312,7 @@ def collect(results_root: str | Path, sweep: str | None = None) -> Aggregate:
     root = Path(results_root)
     if not root.is_dir():
         raise FileNotFoundError(f"results root {root} does not exist (or is not a directory)")
-    runs_dir, probe_dir = root / "runs", root / "probe"
+    runs_dir, probe_dir, attribution_dir = root / "runs", root / "probe", root / "attribution"
     if not runs_dir.is_dir() and not probe_dir.is_dir():
         raise FileNotFoundError(f"neither {runs_dir} nor {probe_dir} exists: nothing to aggregate")
     sweep = sweep or root.resolve().name
@@ -322,6 +362,13 @@ def collect(results_root: str | Path, sweep: str | None = None) -> Aggregate:
             continue
         (layers if is_layers else probes).append(df)
 
+    attributions = []
+    for path in sorted(attribution_dir.glob("*/*/attribution.csv")) if attribution_dir.is_dir() else []:
+        try:
+            attributions.append(_read_attribution_csv(path, sweep, path.parent.parent.name, path.parent.name))
+        except _BadFile as exc:
+            _bad(skipped, exc)
+
     runs = pd.DataFrame(metric_rows, columns=list(RUNS_COLUMNS))
     runs = runs.astype({"seed": "int64", "step": "int64", "value": "float64"})
     run_status = pd.DataFrame(status_rows, columns=list(RUN_STATUS_COLUMNS))
@@ -330,6 +377,7 @@ def collect(results_root: str | Path, sweep: str | None = None) -> Aggregate:
         run_status=_sorted(run_status, ["model", "variant", "seed"]),
         probe=_sorted(_concat(probes, PROBE_COLUMNS), ["model", "engine", "variant", "level", "metric"]),
         probe_layers=_sorted(_concat(layers, PROBE_LAYERS_COLUMNS), ["model", "engine", "variant", "metric", "layer"]),
+        attribution=_sorted(_concat(attributions, ATTRIBUTION_COLUMNS), ["model", "engine"]) if attributions else None,
         skipped=sorted(skipped), warnings=sorted(warnings))
 
 
@@ -354,18 +402,25 @@ def _for_csv(df: pd.DataFrame) -> pd.DataFrame:
         if col in ("seed", "step", "layer", "last_step", "collapse_step", "reward_collapse_step"):
             out[col] = [("" if v is None or (isinstance(v, float) and math.isnan(v)) else str(int(v)))
                         for v in out[col]]
-        elif col in ("value", "wall_time_s"):
+        elif col in ("value", "wall_time_s", "ci_low", "ci_high"):
             out[col] = [("" if v is None else _format_float(v)) for v in out[col]]
     return out
 
 
 def write_aggregate(agg: Aggregate, out_dir: str | Path) -> dict[str, Path]:
-    """Write the four tables into ``out_dir`` (each atomically). Returns {table name: path}."""
+    """Write the four tables into ``out_dir`` (each atomically), and attribution.csv where there is an attribution
+    table (else an attribution.csv left there by an earlier aggregate is removed: the directory says what the
+    results hold). Returns {table name: path}."""
     out_dir = Path(out_dir)
     paths = {}
     for name, file_name in OUTPUT_FILES.items():
         paths[name] = out_dir / file_name
         atomic_write_csv(_for_csv(getattr(agg, name)), paths[name])
+    if agg.attribution is not None:
+        paths["attribution"] = out_dir / ATTRIBUTION_FILE
+        atomic_write_csv(_for_csv(agg.attribution), paths["attribution"])
+    else:
+        (out_dir / ATTRIBUTION_FILE).unlink(missing_ok=True)
     return paths
 
 
@@ -401,7 +456,9 @@ def aggregate(results_root: str | Path, out_dir: str | Path, strict: bool = Fals
              + "\n".join(f"  {w}" for w in agg.warnings))
     paths = write_aggregate(agg, out_dir)
     num_probe_files = (agg.probe.groupby(["model", "engine"]).ngroups if len(agg.probe) else 0)
-    log(f"[aggregate] {agg.num_runs} runs, {num_probe_files} probes, {len(agg.skipped)} skipped, "
-        f"{len(agg.runs)} run rows, {len(agg.probe)} probe rows, {len(agg.probe_layers)} layer rows -> "
+    num_attributions = 0 if agg.attribution is None else agg.attribution.groupby(["model", "engine"]).ngroups
+    log(f"[aggregate] {agg.num_runs} runs, {num_probe_files} probes, {num_attributions} attributions, "
+        f"{len(agg.skipped)} skipped, {len(agg.runs)} run rows, {len(agg.probe)} probe rows, "
+        f"{len(agg.probe_layers)} layer rows -> "
         + ", ".join(str(p) for p in paths.values()))
     return agg

@@ -71,6 +71,7 @@ class Sweep:
             if not _NAME.match(name):
                 raise ConfigError(f"models.{name}: model names must use letters, digits, '.', '_' or '-'")
             self._check_model(name, spec)
+        self._check_attribution()
 
     def _check_model(self, name: str, spec: dict) -> None:
         where = f"models.{name}"
@@ -120,6 +121,23 @@ class Sweep:
             except ConfigError as exc:
                 raise ConfigError(f"train settings of {where} (variant {variant}): {exc}") from None
 
+    def _check_attribution(self) -> None:
+        a = self.attribution
+        if a is None:
+            return
+        gpu_engines = [e for e in a["engines"] if e not in CPU_ENGINES]
+        for name in self.attributed_models():
+            spec, where = self.models[name], f"models.{name}"
+            if a["backend"] == "vllm" and gpu_engines and spec.get("gpus", 0) < 1:
+                raise ConfigError(f"{where}.gpus={spec.get('gpus', 0)}: attribution.backend 'vllm' with engine(s) "
+                                  f"{', '.join(gpu_engines)} runs each attribution on one GPU; give the model gpus >= 1, "
+                                  f"or use attribution.backend emulated or engines {' or '.join(CPU_ENGINES)}")
+            reduction = self.train_settings(name)["engine_norm_reduction"]
+            if a["backend"] == "emulated" and reduction != "opaque":
+                raise ConfigError(f"{where}: train engine_norm_reduction={reduction!r}, but `roundalign attribute` "
+                                  "has no such setting: its emulated engine would not be the one the runs sample from; "
+                                  "disable attribution: for this sweep")
+
     # -- expansion --------------------------------------------------------------------------------
 
     def runs(self) -> list[Run]:
@@ -139,6 +157,61 @@ class Sweep:
         o = self.train_settings(model)
         return (f"--kv-cache-dtype {o['engine_kv_cache_dtype']} --splitk-chunk {o['splitk_chunk']} "
                 f"--norm-reduction {o['engine_norm_reduction']}")
+
+    @property
+    def attribution(self) -> dict | None:
+        """The ``attribution:`` section with its null defaults resolved (backend and engines: the probe's), or None
+        when it is not enabled."""
+        a = self.config.get("attribution") or {}
+        if not a.get("enabled"):
+            return None
+        probe = self.config.get("probe") or {}
+        return {"prompts": 16, "max_new_tokens": None, "resamples": 1000, "seed": 0, "extra_args": "", **a,
+                "backend": a.get("backend") or probe.get("backend", "emulated"),
+                "engines": list(a.get("engines") or probe.get("engines") or ["vllm-compiled"]),
+                "context_tokens": a.get("context_tokens") if a.get("context_tokens") is not None
+                else probe.get("context_tokens", 0)}
+
+    def attribute_args(self, model: str, engine: str) -> str:
+        """``roundalign attribute`` flags (all but --model, --engine, --out) of ``model`` against ``engine``: the
+        attribution: section's, and the engine and trainer settings of the model's training runs, so that the
+        attribution takes apart the mismatch those runs train with (see the schema's description)."""
+        from roundalign.engine.choices import ENGINE_ATTN_IMPLS
+
+        a, o = self.attribution, self.train_settings(model)
+        if a is None:
+            raise ConfigError("attribution: is not enabled")
+        parts = [f"--backend {a['backend']}", f"--prompts {a['prompts']}",
+                 f"--max-new-tokens {a['max_new_tokens'] or o['max_completion_length']}",
+                 f"--context-tokens {a['context_tokens']}", f"--temperature {o['temperature']}",
+                 f"--micro-batch {o['per_device_batch_size']}",
+                 # the trainer's own attention (a run with the engine's kernel starts from sdpa, its gradient)
+                 f"--trainer-attn {o['attn'] if o['attn'] in ('eager', 'sdpa') else 'sdpa'}",
+                 f"--dtype {o['dtype']}", f"--resamples {a['resamples']}", f"--seed {a['seed']}"]
+        if a["backend"] == "emulated":
+            attn = o["attn"] if o["attn"] in ENGINE_ATTN_IMPLS else "sdpa"
+            parts += [f"--engine-attn {attn}", f"--engine-gemm {o['engine_gemm']}",
+                      f"--splitk-chunk {o['splitk_chunk']}", f"--kv-cache-dtype {o['engine_kv_cache_dtype']}"]
+            if o["engine_attn_decode"] is not None:
+                parts.append(f"--engine-attn-decode {o['engine_attn_decode']}")
+        else:
+            # training against vLLM's CPU build runs its linears as F.linear on the live weights (engine_setup)
+            live = engine in CPU_ENGINES and o["backend"] == "vllm" and o["engine"] in CPU_ENGINES
+            parts.append(f"--engine-gemm {'live' if live else 'native'}")
+        if a["extra_args"]:
+            parts.append(a["extra_args"])
+        return " ".join(parts)
+
+    def attributed_models(self) -> list[str]:
+        """Models that get an attribution (none when it is disabled): every built model, and a ``base:`` model whose
+        attribution settings differ from its base's (an engine dose); one that differs only in what
+        ``roundalign attribute`` does not vary (the vllm-cpu sweep's entries trained with the engine's attention:
+        their attention step is the difference) would repeat its base's."""
+        a = self.attribution
+        if a is None:
+            return []
+        return sorted(m for m, spec in self.models.items() if not spec.get("base") or any(
+            self.attribute_args(m, e) != self.attribute_args(spec["base"], e) for e in a["engines"]))
 
     def uses_math(self) -> bool:
         return any(self.train_overrides(m).get("task") == "math" for m in self.models)
@@ -245,9 +318,17 @@ class Sweep:
     def probe_resources(self, model: str) -> dict:
         """One probe job: CPU only (emulated backend, or vLLM's CPU build), or one GPU of the model's kind (vllm
         backend, GPU engines)."""
+        probe = self.config["probe"]
+        return self._offline_resources(model, probe.get("backend", "emulated"), self._probe_on_cpu())
+
+    def attribution_resources(self, model: str, engine: str) -> dict:
+        """One attribution job: as the model's probe job, for the attribution's backend and this engine."""
+        return self._offline_resources(model, self.attribution["backend"], engine in CPU_ENGINES)
+
+    def _offline_resources(self, model: str, backend: str, on_cpu: bool) -> dict:
         spec, probe = self.models[model], self.config["probe"]
         runtime = spec.get("probe_runtime_min") or probe["runtime_min"]
-        if probe.get("backend", "emulated") != "vllm" or self._probe_on_cpu():
+        if backend != "vllm" or on_cpu:
             return {"gpu": 0, "gpu_model": "", "cpus_per_gpu": 0, "mem_mb": probe["mem_mb"], "runtime": runtime}
         return {"gpu": 1, "gpu_model": spec.get("gpu_model") or "", "cpus_per_gpu": spec["cpus_per_gpu"],
                 "mem_mb": spec["mem_mb"], "runtime": runtime}

