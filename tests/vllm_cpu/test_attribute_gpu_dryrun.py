@@ -192,7 +192,7 @@ def check_llm_kwargs(model: str, kwargs: dict) -> None:
     inspect.signature(REAL_LLM.__init__).bind(None, model, **kwargs)  # positional model, keyword-only rest
     unknown = [k for k in kwargs if k not in LLM_PARAMS and k not in ENGINE_ARGS_FIELDS]
     assert not unknown, f"vllm.LLM 0.31.0 takes no keyword {unknown} (neither LLM.__init__ nor EngineArgs)"
-    # LLM.__init__ hands its named parameters and **kwargs to EngineArgs under the same names (llm.py:297-339)
+    # LLM.__init__ hands its named parameters and **kwargs to EngineArgs under the same names (llm.py:298-339)
     EngineArgs(model=model, **kwargs).create_model_config()
 
 
