@@ -550,10 +550,19 @@ def test_fig_attribution_panels_per_model_and_engine_with_exact_zeros_on_the_flo
     alone = next(c for c in ax.containers if c.lines[0].get_gid() == "alone")
     assert list(alone.lines[0].get_ydata()) == pytest.approx([2e-4, 1e-4, 5e-5])
     ticks = [t.get_text() for t in ax.get_xticklabels()]
-    assert ticks == ["none", "+sampling\n0%", "+batching\n50%", "+rounding\n50%"]
-    assert ax.get_ylim()[0] < 1e-6
+    assert ticks == ["none", "+sampling\n0", "+batching\n50%", "+rounding\n50%"]  # "0": exactly nothing removed
+    # one y range for every panel, from below the floor to above the largest interval end (4e-4)
+    limits = [ax.get_ylim() for ax in axes.ravel() if ax.get_yscale() == "log"]
+    assert len(limits) == 3 and limits == [pytest.approx((1e-6 / 3, 8e-4))] * 3
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["cumulative: sources equalized so far",
                                                                   "this source alone"]
+
+
+def test_fig_attribution_step_shares_tell_exactly_nothing_from_almost_nothing():
+    from roundalign.analysis.plots.fig_attribution import share
+
+    assert [share(r, 1e-4) for r in (0.0, -0.0, 1e-10, -4e-7, 5e-5, -3e-5, 1.03e-4, float("nan"))] == [
+        "0", "0", "~0%", "~0%", "50%", "-30%", "103%", "?"]
 
 
 def test_fig_attribution_keeps_its_labels_apart(tmp_path):

@@ -86,7 +86,7 @@ CAPTIONS: dict[str, str] = {
         "log-probabilities on every token, sit on the dotted floor labelled '0 (bitwise)', a decade below the "
         "smallest positive k3 (an interval reaching below it is drawn down to it). Under each step: the k3 "
         "it removes, in percent of step 0's (paired over the same resamples; negative where equalizing the source "
-        "added k3). Sources a backend or setting does not have are left out (attribution.json says why)."),
+        "added k3; '0': exactly nothing, '~0%': under half a percent either way). Sources a backend or setting does not have are left out (attribution.json says why)."),
     "summary": (
         "Per model and trainer variant, over seeds: number of seeds, of finished and of collapsed runs "
         "with their collapse steps, runs whose reward collapsed, final reward (mean of reward/mean over the "

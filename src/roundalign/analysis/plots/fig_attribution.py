@@ -6,7 +6,8 @@ line: the cumulative waterfall, step 0 = nothing equalized) and each source alon
 markers, just right of its own step). Error bars are 95% bootstrap intervals over prompts. Exact zeros (bitwise equal
 logprobs on every token) sit on the floor labelled "0 (bitwise)", a decade below the smallest positive k3; an
 interval reaching below it is drawn down to it. Under each step: the k3 it removes, in percent
-of step 0's (negative where equalizing it added k3).
+of step 0's (negative where equalizing it added k3; "0": exactly nothing, "~0%": under half a percent either way).
+All panels share one y range.
 
 Reads ``attribution.csv`` (the command's long table; the sweep's aggregate concatenates them with ``model`` and
 ``engine`` columns); writes ``fig_attribution.<fmt>``: one row of panels per model, one column per engine.
@@ -74,10 +75,34 @@ def waterfall_panel(ax, df: pd.DataFrame, floor: float | None) -> None:
     ax.set_xlim(x.min() - 0.5, x.max() + 0.5)
     base = float(cum["value"].iloc[0])
     removed = df[(df["metric"] == "k3_removed") & (df["mode"] == "cumulative")].set_index("step")["value"]
-    ticks = [labels[0]] + [f"{lab}\n{100 * removed.get(s, np.nan) / base:.0f}%" if base > 0 else lab
+    ticks = [labels[0]] + [f"{lab}\n{share(removed.get(s, np.nan), base)}" if base > 0 else lab
                            for s, lab in zip(x[1:], labels[1:])]
     ax.set_xticklabels(ticks, fontsize=7)
     ax.set_ylabel(YLABEL)
+
+
+def share(removed: float, base: float) -> str:
+    """What a step removes, in percent of step 0's k3: "0" when exactly nothing (the two sides already agreed bit
+    for bit there), "~0%" when less than half a percent either way, else the rounded percentage."""
+    if removed == 0:
+        return "0"
+    if not np.isfinite(removed):
+        return "?"
+    pct = 100 * removed / base
+    return "~0%" if abs(pct) < 0.5 else f"{pct:.0f}%"
+
+
+def y_limits(df: pd.DataFrame, floor: float | None) -> tuple[float, float] | None:
+    """One log y range for every panel: from below the floor (without one, a decade below the smallest k3; a lower
+    interval end further down runs off the panel) to above the largest interval end."""
+    k3 = df[df["metric"] == "k3"]
+    values = k3["value"].to_numpy(dtype="float64")
+    tops = np.concatenate([values, k3["ci_high"].to_numpy(dtype="float64")])
+    values, tops = values[np.isfinite(values) & (values > 0)], tops[np.isfinite(tops) & (tops > 0)]
+    if not len(tops):
+        return None
+    lo = floor / 3 if floor is not None else (values.min() if len(values) else tops.min()) / 10
+    return lo, tops.max() * 2
 
 
 def _handles() -> list[Line2D]:
@@ -109,7 +134,7 @@ def plot_attribution(attribution: pd.DataFrame):
     with C.style():
         nrows, ncols = max(len(models), 1), max(len(engines), 1)
         fig = Figure(figsize=(PANEL_IN[0] * ncols + 0.4, PANEL_IN[1] * nrows + 1.0), layout="constrained")
-        axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+        axes = fig.subplots(nrows, ncols, squeeze=False)
         if not models:
             C.no_data(axes[0, 0], "no data: attribution.csv has no rows")
         for i, model in enumerate(models):
@@ -123,7 +148,10 @@ def plot_attribution(attribution: pd.DataFrame):
                 waterfall_panel(ax, rows, floor)
                 if j:
                     ax.set_ylabel("")
-                    ax.tick_params(labelleft=True)  # a shared y keeps its labels on each panel: they are read apart
+        limits = y_limits(df, floor) if len(df) else None
+        for ax in axes.ravel():
+            if limits is not None and ax.get_yscale() == "log":
+                ax.set_ylim(*limits)  # one scale: the panels compare
         fig.legend(handles=_handles(), loc="outside lower center", ncols=2, fontsize=8)
         C.suptitle(fig, "Where the train-vs-engine mismatch comes from: token k3 as its sources are equalized", df,
                    "error bars: 95% bootstrap CI over prompts; under each step: % of step 0's k3 it removes")
