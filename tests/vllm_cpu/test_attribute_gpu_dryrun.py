@@ -72,14 +72,14 @@ which kernels they reach (below).
     scalar divisor becomes a reciprocal multiply, "may lose one bit of precision"), while on the CPU the same
     expression is a true division (which is why the CPU runs agree bitwise). At T = 1 (or any power of two) the two
     agree; at T = 0.7 they differ by one ulp on part of the logits (test_a_reciprocal_multiply_...), so on a GPU
-    the ``sampling`` step cannot reach bitwise equality at such a T. A bug of the GPU path; the fix (attribute.py,
+    the ``sampling`` step could not reach bitwise equality at such a T. A bug of the GPU path, fixed (attribute.py,
     ``_engine_sampler_logprobs``): divide by the fp32 temperature as a tensor on the logits' device, shaped as
     vLLM's: ``x = x / torch.full((x.shape[0], 1), cfg.temperature, dtype=torch.float32, device=x.device)``.
   - top_k >= vocab: vLLM's input batch treats it as off (``0 < top_k < vocab_size``, gpu_input_batch.py:409-414;
     no request with an active top-k gives ``top_k=None``), the trainer passes ``k`` anyway: on the CPU
     ``apply_top_k_only`` then asks ``topk`` for more values than the row has and fails; on CUDA it takes the top-k
     kernel path where vLLM takes the top-p-only one. The fix: ``k = ... if 0 < cfg.top_k < x.shape[-1] else None``
-    (test_top_k_at_or_above_the_vocabulary_is_off_as_in_vllm, xfail until then).
+    (test_top_k_at_or_above_the_vocabulary_is_off_as_in_vllm). Both fixes are in attribute.py.
   - The log-softmax: PyTorch's CUDA kernel reduces each row on its own with a block size chosen from the row
     length, so rows do not depend on the batch; both sides run it on the same device.
 """
@@ -526,19 +526,15 @@ def test_the_trainers_sampler_formula_is_vllms_sampler_bitwise(mode, dtype):
 
 def test_top_k_at_or_above_the_vocabulary_is_off_as_in_vllm():
     # SamplingParams accepts any top_k >= -1; vLLM's input batch runs top_k >= vocab as "no top-k". The trainer
-    # passes it to apply_top_k_top_p, whose CPU path asks topk() for more values than a row has (on CUDA it takes
-    # the top-k kernel where vLLM takes the top-p-only one). Fix: attribute.py _engine_sampler_logprobs,
-    # ``k = ... if 0 < cfg.top_k < x.shape[-1] else None``.
+    # passed it to apply_top_k_top_p, whose CPU path asks topk() for more values than a row has (on CUDA it takes
+    # the top-k kernel where vLLM takes the top-p-only one); attribute.py now passes k only for 0 < top_k < vocab.
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(8, 512, generator=g).to(torch.bfloat16)
     sp = REAL_SAMPLING_PARAMS(temperature=0.7, top_k=1000, top_p=0.9, seed=1, logprobs=0)
     gens = {i: torch.Generator().manual_seed(i) for i in range(8)}
     sampled, full = vllm_sample(logits, [sp] * 8, gens, "processed_logprobs")
     cfg = types.SimpleNamespace(temperature=0.7, top_k=1000, top_p=0.9, logprobs_mode="processed_logprobs")
-    try:
-        ours = A._engine_sampler_logprobs(logits.clone(), sampled, cfg)
-    except RuntimeError as e:
-        pytest.xfail(f"attribute._engine_sampler_logprobs passes top_k >= vocab to vLLM's top-k: {e}")
+    ours = A._engine_sampler_logprobs(logits.clone(), sampled, cfg)
     assert torch.equal(ours, full.gather(-1, sampled.view(-1, 1)).squeeze(-1))
 
 

@@ -44,6 +44,14 @@ class NonFiniteLogitsError(RuntimeError):
     """The engine's logits contain NaN or inf: the policy has diverged (a collapsed run)."""
 
 
+def _apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """fp32 logits / T as vLLM's sampler divides them (sampler.py ``apply_temperature``): a true division by an fp32
+    tensor, one value per row. On CUDA a Python-float divisor becomes a multiply by 1/T, one ulp off on part of the
+    logits unless T is a power of two; on the CPU both are the true division."""
+    x = logits.float()
+    return x / torch.full((*x.shape[:-1], 1), temperature, dtype=torch.float32, device=x.device)
+
+
 def _sample_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63 - 1)
 
@@ -126,7 +134,7 @@ class Engine:
         with torch.device(self.model.embed.device):
             for p, c in zip(prompts, completions):
                 logits = self.model.forward(torch.tensor([p + c[:-1]]), self.model.new_cache())[0, len(p) - 1:]
-                logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+                logp = torch.log_softmax(_apply_temperature(logits, temperature), dim=-1)
                 res.append(logp.gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1).cpu())
         return res
 
@@ -152,7 +160,7 @@ class Engine:
         logps: list[list[Tensor]] = [[] for _ in range(bsz)]
         done = [False] * bsz
         for step in range(max_new_tokens):
-            scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+            scaled = _apply_temperature(logits, temperature if temperature > 0 else 1.0)
             logp = torch.log_softmax(scaled, dim=-1)  # fp32, as vLLM's sampler
             if not torch.isfinite(logits).all():
                 raise NonFiniteLogitsError(f"engine logits contain NaN/inf at completion position {step}")

@@ -287,7 +287,6 @@ def present_sources(cfg: AttributeConfig, data: EngineData) -> dict[str, str | N
         from roundalign.numerics.plan import CPU_ENGINES
 
         if cfg.engine not in CPU_ENGINES:
-            why["attention"] = why["attention"] or None
             if why["attention"] is None:
                 why["attention"] = ("the trainer's copy of vLLM's CUDA attention (attn: vllm_flash) is not wired into "
                                     "attribution yet")
@@ -302,19 +301,23 @@ def present_sources(cfg: AttributeConfig, data: EngineData) -> dict[str, str | N
 
 def _engine_sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor, cfg: AttributeConfig) -> torch.Tensor:
     """What the engine returned for ``tokens`` given these logits: vLLM's sampler (vllm/v1/sample/sampler.py
-    ``Sampler.forward``/``sample``, ops/topk_topp_sampler.py ``forward_cpu``): fp32 logits, divided by T, top-k/top-p
+    ``Sampler.forward``/``sample``, ops/topk_topp_sampler.py ``forward_cpu``; CUDA's ``forward_native`` for processed
+    logprobs computes the same formula): fp32 logits, divided by T, top-k/top-p
     masked by vLLM's own ``apply_top_k_top_p``, fp32 log-softmax; ``raw_logprobs``: the log-softmax of the logits.
     The emulated engine's sampler is the temperature-only case (engine/generate.py)."""
     x = logits.float()
     if cfg.logprobs_mode == "raw_logprobs":
         lp = x.log_softmax(dim=-1, dtype=torch.float32)
     else:
-        x = x / cfg.temperature
-        if cfg.top_k or cfg.top_p < 1.0:
+        # a true division by an fp32 tensor, as vLLM's apply_temperature (sampler.py:238); CUDA divides by a Python
+        # float as x * (1/T), one ulp off on part of the logits unless T is a power of two
+        x = x / torch.full((x.shape[0], 1), cfg.temperature, dtype=torch.float32, device=x.device)
+        if 0 < cfg.top_k < x.shape[-1] or cfg.top_p < 1.0:
             from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
             n = x.shape[0]
-            k = torch.full((n,), cfg.top_k, dtype=torch.int64, device=x.device) if cfg.top_k else None
+            # top_k at or above the vocabulary is off in vLLM (gpu_input_batch.py:409-414)
+            k = torch.full((n,), cfg.top_k, dtype=torch.int64, device=x.device) if 0 < cfg.top_k < x.shape[-1] else None
             p = torch.full((n,), cfg.top_p, dtype=torch.float32, device=x.device) if cfg.top_p < 1.0 else None
             x = apply_top_k_top_p(x, k, p)
         lp = x.log_softmax(dim=-1, dtype=torch.float32)
