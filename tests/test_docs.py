@@ -63,6 +63,10 @@ def _copy_tree(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", root / "docs")
     shutil.copytree(ROOT / "results" / "bench", root / "results" / "bench")
+    # the other records the generated tables read (docs/attribution.md)
+    for rel in ("vllm-cpu/aggregate/attribution.csv", "smoke/aggregate/attribution.csv", "vllm-cpu/user_effects.json"):
+        (root / "results" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / "results" / rel, root / "results" / rel)
     return root
 
 
