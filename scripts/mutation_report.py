@@ -37,10 +37,13 @@ EXPLAINED: dict[str, str] = {
         'equivalent: default "XX1XX" for "1": any default outside ("", "0") means flush',
     "roundalign.training.checkpoints.x_rotate__mutmut_9":
         "equivalent: `keep >= 0` for `keep > 0` after `keep and`: keep == 0 is already falsy",
-    "roundalign.training.checkpoints.x_fault_point__mutmut_11":
-        'equivalent: the pad of at_point ("XXXX" for ""): split("@") always yields at least one field',
-    "roundalign.training.checkpoints.x_fault_point__mutmut_12":
-        'equivalent: the pad of at_step ("XXXX" for ""): a spec without a step fails int() either way (ValueError)',
+    # the spec is padded as (spec.split("@") + ["", "", "", ""])[:4]; split yields >= 1 field, so the 4th pad never
+    # reaches the four, and the 3rd only for a spec with no "@" at all, where it is `match`
+    "roundalign.training.checkpoints.x_fault_point__mutmut_13":
+        'equivalent: the 3rd pad ("XXXX" for "") is read only for a spec without "@" (then `match`), whose step "" '
+        "fails int() (ValueError) at its point and returns elsewhere before `match` is read, either way",
+    "roundalign.training.checkpoints.x_fault_point__mutmut_14":
+        'equivalent: the 4th pad ("XXXX" for "") is never within [:4]: split("@") yields at least one field',
     "roundalign.metrics.x__check_inputs__mutmut_8":
         "equivalent for valid inputs: `break` for `continue` when a tensor argument is None; only entropy (the last "
         "of the three) may be None, so nothing is left unchecked (a None train_logp fails later either way)",
@@ -61,13 +64,7 @@ _CPU_DEVICE = ("equivalent on the CPU: device=None (or no device) allocates on t
 _AUTOGRAD_CAST = ("equivalent: the gradient is computed in fp32 and rounded to the input's dtype once either way, by "
                   "this cast/copy or, when it is dropped, by autograd, which casts a returned gradient to its input's "
                   "dtype (validate_outputs); bits are equal")
-_VEC_ONE = ("not killed: differs only for vec == 1 (scalar lanes), which the code accepts and no test uses; no engine "
-            "order has it (Inductor's CPU reductions use 8/16 lanes)")
 EXPLAINED.update({
-    "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_14": _VEC_ONE,
-    "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_15": _VEC_ONE,
-    "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_18":
-        _VEC_ONE + " (vec & (vec - 2) is 0 exactly for the powers of two above 1: only vec == 1 differs)",
     "roundalign.numerics.regions.x_sum_sq_in_order__mutmut_58":
         "equivalent: v has 2*half lanes at that point, so v[..., half:3*half] is v[..., half:2*half]",
     **{f"roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_{i}": _COMPILED + " (the VJP branch: "
@@ -76,20 +73,12 @@ EXPLAINED.update({
         "equivalent: a gradient returned for an input that needs none is dropped by autograd",
     "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_50":
         "equivalent: a gradient returned for an input that needs none is dropped by autograd",
-    "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_48":
-        "not killed: differs only when SwiGLU's gate needs a gradient and up does not; in a model both are projections "
-        "of the same hidden state, so they need one together",
     "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_71":
         "equivalent: materialize_grads is on, so autograd never passes None for an output's gradient, and every region "
         "output depends on its inputs (requires_grad whenever a gradient arrives)",
     **{f"roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_{i}":
        "equivalent: allow_unused matters only for an input that does not reach the outputs; every input of every "
        "region formula does" for i in (84, 89, 90)},
-    "roundalign.numerics.regions.xǁ_RecomputeInBackwardǁbackward__mutmut_92":
-        "GAP, not killed by the fast selection: a region node whose inputs do not all need gradients (a frozen norm "
-        "weight, as under LoRA) would take a gradient it has not computed; no selected test freezes an input",
-    "roundalign.numerics.regions.x__row_chunks__mutmut_30":
-        "equivalent for every model: max(last, 2) differs from max(last, 1) only for rows of one element",
     **{f"roundalign.numerics.regions.x__swiglu_fused_chunked__mutmut_{i}": _CPU_DEVICE for i in (4, 7)},
     **{f"roundalign.numerics.regions.x__swiglu_fused_backward__mutmut_{i}": _CPU_DEVICE for i in (4, 7, 11, 14)},
     **{f"roundalign.numerics.regions.x__swiglu_fused_backward__mutmut_{i}": _AUTOGRAD_CAST for i in (3, 6, 10, 13, 30,
@@ -100,32 +89,26 @@ EXPLAINED.update({
 
 _OUTER_COMPILE = ("compiled-mode only: the branch under torch.compiler.is_compiling() (an aligned model inside an outer "
                   "torch.compile) or the compiled kernels' VJP; tests/test_torch_compile.py runs it (slow, not selected)")
-_ASSOC = ("not killed here; a tests/test_patch.py model test would see it (fp32 gradient order, "
-          "test_autograd_fp32_bitwise_equal_to_stock), but mutmut maps _one_node only to the tests that first built the "
-          "per-process kernel cache while it collected stats; unverified")
 EXPLAINED.update({
     **{f"roundalign.numerics.regions.x__one_node__mutmut_{i}": _OUTER_COMPILE for i in (5, 6, 7, 8, 9, 10, 11, 12,
                                                                                            39, 41, 43, 44, 45)},
     **{f"roundalign.numerics.regions.x__one_node__mutmut_{i}":
        "equivalent in values: RoPE then runs through the recomputing node, which saves x too (memory, not bits: "
        "tests/test_activation_memory.py, not selected)" for i in (3, 4)},
+    "roundalign.numerics.regions.x__one_node__mutmut_59":
+        "equivalent in values for eager kernels: SwiGLU then runs unchunked through the recomputing node (as 57/58); "
+        "with compiled kernels it would run the eager chunked formula instead: " + _COMPILED,
+    "roundalign.numerics.regions.x__one_node__mutmut_70": _COMPILED + " (vjp is None for eager kernels anyway)",
+    **{f"roundalign.numerics.regions.xǁ_RecomputeInBackwardǁforward__mutmut_{i}":
+       _COMPILED + " (out_meta is read only by the compiled VJP branch of backward)" for i in (5, 7)},
+    "roundalign.numerics.regions.xǁ_RopeFusedǁforward__mutmut_5": _AUTOGRAD_CAST + " (x_dtype None: .to(None) "
+        "keeps the fp32 gradient, which autograd then casts to x's dtype)",
     "roundalign.numerics.regions.x__one_node__mutmut_49":
         "equivalent in values: bf16 regions then run as plain autograd of the formula (memory, not bits: "
         "tests/test_activation_memory.py, not selected)",
     **{f"roundalign.numerics.regions.x__one_node__mutmut_{i}":
        "equivalent in values: SwiGLU then runs unchunked (the chunks exist for memory; _swiglu_fused_chunked is "
        "bitwise swiglu_fused, test_row_chunks_cover_every_row_once_in_chunks_of_the_element_budget)" for i in (57, 58)},
-    "roundalign.numerics.regions.x__one_node__mutmut_50": _ASSOC,
-    "roundalign.numerics.regions.x__one_node__mutmut_52": _ASSOC,
-    "roundalign.numerics.regions.x__one_node__mutmut_13":
-        "GAP, not killed: only when exactly one of cos/sin needs a gradient (never in HF, whose tables are buffers)",
-    "roundalign.numerics.regions.x__one_node__mutmut_33":
-        "GAP, not killed: the eager RoPE node with out_dtype=float32 and tables that need no gradient; no selected "
-        "test asks the node (rather than regions.rope_fused) for an fp32 output",
-    **{f"roundalign.training.checkpoints.x_fault_point__mutmut_{i}":
-       "GAP, not killed: the firing path runs in a child process (test_fault_point_kills_its_process_once_at_its_"
-       "point_and_step); why this mutant escaped it under mutmut's forkserver worker was not investigated"
-       for i in (1, 13, 14)},
 })
 
 # Untested mutants ("no tests": no selected fast test reaches their function), by function pattern, with the reason.

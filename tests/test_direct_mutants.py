@@ -12,6 +12,9 @@ and training/checkpoints.py.
 - The ``vllm-cpu-eager`` residual row (numerics.md, plan.py: the norm reads the UNROUNDED fp32 sum, rounds as HF
   does, twice; the stored stream is the sum rounded once), pinned bitwise for a whole trunk against a forward written
   here from the model's own attention/MLP modules; before, only "changes more than 5% of logits" held it.
+- Region nodes whose inputs do not all need a gradient (a frozen norm weight or SwiGLU input, one RoPE table that
+  needs one), the eager RoPE node asked for fp32, and fp32 inputs that also feed the residual stream: gradients
+  bitwise those of plain autograd on formulas written here. ``fault_point``'s spec parsing observed in-process.
 """
 
 import json
@@ -486,6 +489,8 @@ def test_row_chunks_cover_every_row_once_in_chunks_of_the_element_budget(monkeyp
     assert torch.equal(torch.cat([y for _, y in chunks]), b.reshape(15, 4))
     wide = torch.zeros(2, 3, 16)  # a row wider than the budget: one row per chunk
     assert [tuple(x.shape) for (x,) in regions._row_chunks(wide)] == [(1, 16)] * 6
+    narrow = torch.zeros(20, 1)  # rows of one element: the budget is 8 rows (not 4: a row is never counted as two)
+    assert [tuple(x.shape) for (x,) in regions._row_chunks(narrow)] == [(8, 1), (8, 1), (4, 1)]
     off_cpu = torch.empty(3, 5, 4, device="meta")  # not the CPU: the accelerator's budget (4 elements = 1 row)
     assert [tuple(x.shape) for (x,) in regions._row_chunks(off_cpu)] == [(1, 4)] * 15
     # and the chunked SwiGLU region gives the unchunked bits
@@ -524,7 +529,7 @@ def _np_sum_sq_in_order(x: np.ndarray, vec: int, n: int) -> np.ndarray:
     return out.reshape(*x.shape[:-1], 1)
 
 
-@pytest.mark.parametrize("vec,n", [(8, 1), (4, 2), (16, 2), (2, 4)])
+@pytest.mark.parametrize("vec,n", [(8, 1), (4, 2), (16, 2), (2, 4), (1, 1), (1, 4)])  # vec 1: scalar lanes (2**0)
 def test_sum_sq_in_order_is_the_documented_order_bitwise(vec, n):
     g = torch.Generator().manual_seed(vec * 10 + n)
     x = torch.randn(3, 2, 64, generator=g) * torch.logspace(-3, 3, 64)  # magnitudes over 6 decades: order matters
@@ -586,3 +591,197 @@ def test_eager_region_nodes_compute_their_formula_and_its_gradients(dtype):
         K.rmsnorm_fused(x, w, 1e-6)
     with pytest.raises(ValueError, match=r"^unknown region kernel mode 'fast'; valid: eager, compiled$"):
         regions.region_kernels("fast")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# region nodes whose inputs do not all need a gradient (frozen weights, as under LoRA; tables that need one)
+
+
+def _ref_rmsnorm32(x, w, eps):
+    """vLLM's RMSNorm native formula written out in fp32 autograd ops: x * rsqrt(mean(x^2) + eps) * w, one rounding
+    to w's dtype at the end."""
+    xf = x.to(F32)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(F32)).to(w.dtype)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "x"])
+def test_region_node_with_a_frozen_input_gives_the_others_autograd_gradient_and_it_none(frozen):
+    """A norm weight frozen (requires_grad False: LoRA, or a frozen layer): the bf16 node's input gradient is
+    bitwise plain autograd's on the formula written here, and the frozen input gets none (and the reverse)."""
+    K = regions.region_kernels("eager")
+    x, r = _rand_bf16((2, 3, 64), 20, 3.0), _rand_bf16((2, 3, 64), 21)
+    w = _rand_bf16((64,), 22).abs() + 0.5
+    g = _rand_bf16((2, 3, 64), 23)
+    for name in ("rmsnorm_fused", "add_rmsnorm_fp32_sum"):
+        xa, xb = x.clone().requires_grad_(frozen != "x"), x.clone().requires_grad_(frozen != "x")
+        ra, rb = r.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        wa, wb = w.clone().requires_grad_(frozen != "weight"), w.clone().requires_grad_(frozen != "weight")
+        if name == "rmsnorm_fused":
+            got, want = K.rmsnorm_fused(xa, wa, eps=1e-6), _ref_rmsnorm32(xb, wb, 1e-6)
+            free_a, free_b = [t for t in (xa, wa) if t.requires_grad], [t for t in (xb, wb) if t.requires_grad]
+            outs = [(got, want, g)]
+        else:
+            (got, s_a), s_b = K.add_rmsnorm_fp32_sum(xa, ra, wa, eps=1e-6), xb.to(F32) + rb.to(F32)
+            want = _ref_rmsnorm32(s_b, wb, 1e-6)  # the norm reads the unrounded fp32 sum; the stream is it rounded
+            free_a, free_b = [t for t in (xa, ra, wa) if t.requires_grad], [t for t in (xb, rb, wb) if t.requires_grad]
+            outs = [(got, want, g), (s_a, s_b.to(BF16), g.flip(-1))]
+        assert all(torch.equal(a, b) for a, b, _ in outs), name
+        torch.autograd.backward([a for a, _, _ in outs], [gg for _, _, gg in outs])
+        torch.autograd.backward([b for _, b, _ in outs], [gg for _, _, gg in outs])
+        assert len(free_a) == len(free_b) >= 1
+        for ta, tb in zip(free_a, free_b):
+            assert ta.grad is not None and ta.grad.dtype == BF16 and torch.equal(ta.grad, tb.grad), (name, frozen)
+        frozen_a = wa if frozen == "weight" else xa
+        assert frozen_a.grad is None, name
+
+
+@pytest.mark.parametrize("needs", ["gate", "up"])
+def test_swiglu_node_with_one_frozen_input_gives_the_other_its_gradient(needs):
+    """silu(gate) * up in fp32, rounded once: d/dgate = g*up*s*(1 + gate*(1 - s)), d/dup = g*silu(gate), s the
+    sigmoid; plain autograd of that formula written here, bitwise, for the input that needs a gradient; none for the
+    other."""
+    K = regions.region_kernels("eager")
+    gate, up, g = _rand_bf16((3, 5, 32), 30, 3.0), _rand_bf16((3, 5, 32), 31), _rand_bf16((3, 5, 32), 32)
+    ga, ua = gate.clone().requires_grad_(needs == "gate"), up.clone().requires_grad_(needs == "up")
+    gb, ub = gate.clone().requires_grad_(needs == "gate"), up.clone().requires_grad_(needs == "up")
+    got = K.swiglu_fused(ga, ua)
+    want = (torch.nn.functional.silu(gb.to(F32)) * ub.to(F32)).to(BF16)
+    assert torch.equal(got, want)
+    got.backward(g)
+    want.backward(g)
+    live_a, dead_a, live_b = (ga, ua, gb) if needs == "gate" else (ua, ga, ub)
+    assert live_a.grad is not None and torch.equal(live_a.grad, live_b.grad) and dead_a.grad is None
+
+
+@pytest.mark.parametrize("table", ["cos", "sin"])
+def test_rope_node_with_only_one_table_needing_a_gradient_gives_it_its_gradient(table):
+    """cos (or sin alone) a learned tensor: its gradient is g*x (for sin: g*rotate_half(x)), each product exact in
+    fp32 and rounded once to the table's dtype; x's is the transposed rotation (as for HF's buffers)."""
+    K = regions.region_kernels("eager")
+    x, g = _rand_bf16((2, 1, 5, 64), 40, 3.0), _rand_bf16((2, 1, 5, 64), 41)
+    cos, sin = _distinct_tables(2, 5, 64, 4)
+    cos, sin = cos.clone().requires_grad_(table == "cos"), sin.clone().requires_grad_(table == "sin")
+    xl = x.clone().requires_grad_(True)
+    out = K.rope_fused(xl, cos, sin)
+    assert torch.equal(out, _ref_rope_fp32(x, cos.detach(), sin.detach()).to(BF16))
+    out.backward(g)
+    x64, g64 = x.to(F64), g.to(F64)
+    want_cos, want_sin = (g64 * x64).to(BF16), (g64 * _rotate_half64(x64)).to(BF16)
+    learned, frozen, want = (cos, sin, want_cos) if table == "cos" else (sin, cos, want_sin)
+    assert learned.grad is not None and torch.equal(learned.grad, want) and frozen.grad is None
+    gs = g64 * sin.detach().to(F64)
+    want_x = (g64 * cos.detach().to(F64) + torch.cat((gs[..., 32:], -gs[..., :32]), dim=-1)).to(F32).to(BF16)
+    assert torch.equal(xl.grad, want_x)
+
+
+def test_rope_node_asked_for_an_fp32_output_returns_the_unrounded_fp32_rotation():
+    """The eager RoPE node (tables need no gradient: HF's buffers) with out_dtype=float32 (a fused norm+RoPE kernel
+    keeping fp32): the fp32 rotation itself, not rounded to bf16; and its backward still gives x the transposed
+    rotation."""
+    K = regions.region_kernels("eager")
+    x, g = _rand_bf16((2, 3, 5, 64), 50, 3.0), _rand_bf16((2, 3, 5, 64), 51).to(F32)
+    cos, sin = _distinct_tables(2, 5, 64, 5)
+    for name in ("rope_fused", "rope_fused_rz"):  # an fp32 output has no rounding, toward zero or otherwise
+        xl = x.clone().requires_grad_(True)
+        out = getattr(K, name)(xl, cos, sin, out_dtype=F32)
+        assert out.dtype == F32 and torch.equal(out, _ref_rope_fp32(x, cos, sin)), name
+        out.backward(g)
+        gs = g.to(F64) * sin.to(F64)
+        want = (g.to(F64) * cos.to(F64) + torch.cat((gs[..., 32:], -gs[..., :32]), dim=-1)).to(F32).to(BF16)
+        assert torch.equal(xl.grad, want), name
+
+
+def test_fp32_region_inputs_that_also_feed_the_residual_stream_accumulate_their_gradient_as_stock_autograd():
+    """An fp32 model (eager kernels): an input that feeds the norm AND the residual add gets the gradient plain
+    autograd of the written-out formula gives, bitwise (one node would sum the norm's share first; fp32 addition is
+    not associative)."""
+    K = regions.region_kernels("eager")
+    g = torch.Generator().manual_seed(60)
+    x = (torch.randn(4, 7, 64, generator=g) * torch.logspace(-2, 2, 64)).requires_grad_(True)
+    w = (torch.rand(64, generator=g) + 0.5).requires_grad_(True)
+    up = torch.randn(4, 7, 64, generator=g).requires_grad_(True)
+    dy = torch.randn(4, 7, 64, generator=g)
+    xb, wb, upb = (t.detach().clone().requires_grad_(True) for t in (x, w, up))
+
+    def block(norm, swiglu, x, w, up):
+        return x + swiglu(norm(x, w), up) + x * 0.75  # x: the norm's input, the residual, and one more use
+
+    y = block(lambda a, b: K.rmsnorm_fused(a, b, eps=1e-6), K.swiglu_fused, x, w, up)
+    yb = block(lambda a, b: _ref_rmsnorm32(a, b, 1e-6),
+               lambda a, b: torch.nn.functional.silu(a.to(F32)) * b.to(F32), xb, wb, upb)
+    assert torch.equal(y, yb)
+    y.backward(dy)
+    yb.backward(dy)
+    for a, b in ((x, xb), (w, wb), (up, upb)):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_fault_point_in_process_reads_each_field_of_the_spec(monkeypatch, tmp_path):
+    """fault_point's parsing, observed in this process (os.kill replaced by a recorder): a call without a
+    directory matches no ``match`` text; a spec without a once-file or a match fires every time and writes
+    nothing."""
+    from roundalign.training import checkpoints as C
+
+    kills = []
+    monkeypatch.setattr(C.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    monkeypatch.chdir(tmp_path)
+
+    def fires(spec, *args):
+        monkeypatch.setenv("ROUNDALIGN_FAULT_INJECT", spec)
+        before = len(kills)
+        C.fault_point(*args)
+        return len(kills) > before
+
+    assert fires("after_model@3", "after_model", 3) and kills[-1] == (os.getpid(), signal.SIGKILL)
+    assert fires("after_model@3", "after_model", 3)  # no once-file: again
+    assert not fires("after_model@3@@X", "after_model", 3)  # a match, and no directory given: "" has no "X"
+    assert fires("after_model@3@@", "after_model", 3)  # an empty match matches anything
+    assert fires("after_model@3@@X", "after_model", 3, "/a/X/b")
+    assert not fires("after_model@4", "after_model", 3) and not fires("after_rng@3", "after_model", 3)
+    assert list(tmp_path.iterdir()) == []  # nothing written without a once-file
+    assert fires("after_model@3@once", "after_model", 3) and not fires("after_model@3@once", "after_model", 3)
+    assert (tmp_path / "once").read_text() == "after_model@3@once\n"
+    with pytest.raises(ValueError):  # a spec without a step, at its point
+        fires("after_model", "after_model", 3)
+    assert not fires("after_model", "after_rng", 3)  # ... and elsewhere nothing
+
+
+def test_each_variant_copies_exactly_its_regions_of_the_engine_plan():
+    """plan_for: "full" is the engine's plan; each single-region variant copies that region only (the rest HF)."""
+    from roundalign.numerics.plan import ENGINES, RoundingPlan
+
+    for engine in ENGINES:
+        eng = engine_plan(engine)
+        assert plan_for(engine, "full") == eng and plan_for(engine, "baseline") == RoundingPlan()
+        assert plan_for(engine, "rope") == RoundingPlan(rope=eng.rope)
+        assert plan_for(engine, "swiglu") == RoundingPlan(swiglu=eng.swiglu)
+        assert plan_for(engine, "norm") == RoundingPlan(norm=eng.norm, residual=eng.residual)
+        assert eng != RoundingPlan(norm=eng.norm, residual=eng.residual), engine  # so "full" is not "norm"
+
+
+def test_add_rmsnorm_fp32_sum_passes_its_order_on_keeps_the_fp32_sum_on_request_and_refuses_an_order_for_hf():
+    g = torch.Generator().manual_seed(70)
+    x = (torch.randn(8, 64, generator=g) * torch.logspace(-3, 3, 64)).to(BF16)
+    r = (torch.randn(8, 64, generator=g) * 8).to(BF16)
+    w = torch.rand(64, generator=g) + 0.5  # an fp32 weight: the output is fp32, where the order shows
+    s32 = x.to(F32) + r.to(F32)  # two bf16 values: their fp32 sum
+    ss = torch.from_numpy(_np_sum_sq_in_order(s32.numpy(), 8, 2))
+    want = s32 * torch.rsqrt(ss / 64 + 1e-6) * w
+    normed, s = regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6, sum_order=(8, 2))
+    assert torch.equal(normed, want) and s.dtype == BF16 and torch.equal(s, s32.to(BF16))  # bitwise
+    assert not torch.equal(normed, regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6)[0])  # the order shows in these bits
+    normed, s = regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6, keep_fp32_sum=True)
+    assert s.dtype == F32 and torch.equal(s, s32)
+    with pytest.raises(ValueError, match=r"^a reduction order belongs to a compiled engine's fused norm, not to "
+                                         r"norm='hf'$"):
+        regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6, norm="hf", sum_order=(8, 2))
+
+
+def test_region_kernels_default_to_eager_and_compiled_mode_compiles_every_region(monkeypatch):
+    """region_kernels() is the eager set; "compiled" wraps each region's formula with _compiled_kernel (replaced
+    here by a recorder, so nothing is compiled)."""
+    assert regions.region_kernels() is regions.region_kernels("eager")
+    built = []
+    monkeypatch.setattr(regions, "_compiled_kernel", lambda fn: built.append(fn.__name__) or fn)
+    K = regions.region_kernels("compiled")
+    assert K.mode == "compiled" and sorted(built) == sorted(regions._FUSED)
