@@ -1,4 +1,5 @@
-"""The run's TrainerCallback: metrics.jsonl, collapse detection, stop requests, checkpoint markers, progress.
+"""The run's TrainerCallbacks: metrics.jsonl, collapse detection, stop requests, checkpoint markers, progress
+(``RunCallback``), and stopping before the job's time limit (``DeadlineCallback``).
 
 ``RunCallback`` is what ``train.run_train`` hands TRL's GRPOTrainer. It owns no state of the run beyond its
 detectors: the run's files are a ``RunFiles`` (train.py), the stop flag and collapse record a ``RunState``
@@ -138,3 +139,30 @@ class RunCallback(TrainerCallback):
             rotate(ckpt.parent, self.cfg.keep_checkpoints)  # Trainer's rotation is off (build_grpo_args)
         D.barrier()
         self.files.write()
+
+
+class DeadlineCallback(TrainerCallback):
+    """Requests the run's stop (``state.request_stop("deadline")``) and asks the trainer to save and stop once less
+    than max(``floor``, 2 x the longest step so far + 60 s) is left before ``end`` (epoch seconds, by ``clock``).
+    ``deadline.make_deadline_callback`` builds it from the job's limit."""
+
+    def __init__(self, state, end: float, floor: float, log=print, clock=time.time):
+        self.state, self.end, self.floor, self.log, self.clock = state, end, floor, log, clock
+        self.t0 = None
+        self.longest = 0.0
+
+    def on_step_begin(self, args, st, control, **kw):
+        self.t0 = self.clock()
+
+    def on_step_end(self, args, st, control, **kw):
+        now = self.clock()
+        if self.t0 is not None:
+            self.longest = max(self.longest, now - self.t0)
+        margin = max(self.floor, 2 * self.longest + 60)
+        if self.end - now < margin and not self.state.stop_requested:
+            self.log(f"[train] {self.end - now:.0f}s left before the job's time limit (< {margin:.0f}s margin): "
+                     f"checkpointing at step {st.global_step} and stopping; a rerun resumes")
+            self.state.request_stop("deadline")
+        if self.state.stop_requested:
+            control.should_save = True
+            control.should_training_stop = True

@@ -78,34 +78,12 @@ def make_deadline_callback(state: RunState, log=print, end_time: float | None = 
                            min_margin: float | None = None, clock=time.time):
     """A TrainerCallback that requests the run's stop (``state.request_stop("deadline")``) and asks the trainer to
     save and stop when the job's time is nearly up. Returns None when there is no deadline."""
-    from transformers import TrainerCallback
-
     end = job_end_time() if end_time is None else end_time
     if end is None:
         return None
     floor = float(os.environ.get("ROUNDALIGN_STOP_MARGIN_S", "300")) if min_margin is None else min_margin
-
-    class DeadlineCallback(TrainerCallback):
-        def __init__(self):
-            self.t0 = None
-            self.longest = 0.0
-
-        def on_step_begin(self, args, st, control, **kw):
-            self.t0 = clock()
-
-        def on_step_end(self, args, st, control, **kw):
-            now = clock()
-            if self.t0 is not None:
-                self.longest = max(self.longest, now - self.t0)
-            margin = max(floor, 2 * self.longest + 60)
-            if end - now < margin and not state.stop_requested:
-                log(f"[train] {end - now:.0f}s left before the job's time limit (< {margin:.0f}s margin): "
-                    f"checkpointing at step {st.global_step} and stopping; a rerun resumes")
-                state.request_stop("deadline")
-            if state.stop_requested:
-                control.should_save = True
-                control.should_training_stop = True
+    from roundalign.training.callbacks import DeadlineCallback
 
     log(f"[train] job ends at {_dt.datetime.fromtimestamp(end).isoformat(timespec='seconds')}; the run "
         f"checkpoints and stops when less than max({floor:.0f}s, 2 x longest step + 60s) is left")
-    return DeadlineCallback()
+    return DeadlineCallback(state, end, floor, log=log, clock=clock)
