@@ -337,6 +337,11 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def cuda_vllm(monkeypatch):
     """vllm.LLM and vllm.SamplingParams replaced (recorded), a CUDA torch as far as preflight asks."""
+    # TRL binds vLLM's names when its vllm_generation module is first imported (``from vllm import LLM, ...`` at
+    # module level): imported here, before the patch, so that it keeps the real ones. A first import under the
+    # patch bound the stand-in for the rest of the session, and TRL's colocated engine in a later test was ours.
+    import trl.generation.vllm_generation  # noqa: F401
+
     sp_calls: list[dict] = []
     StandInLLM.made.clear()
     monkeypatch.setattr(vllm, "LLM", StandInLLM)
