@@ -82,6 +82,9 @@ def _copy_workflow(dest: Path) -> Path:
     cfg["variants"] = list(VARIANTS)
     cfg["train"].update(steps=16, checkpoint_every=4)
     cfg["probe"] = {"engines": ["vllm-eager"], "prompts": 4, "max_new_tokens": 8}
+    # the smoke sweep's attribution, reduced: one more job through sbatch
+    cfg["attribution"] = {**cfg.get("attribution", {}), "enabled": True, "engines": ["vllm-eager"], "prompts": 4,
+                          "max_new_tokens": 8, "resamples": 50}
     (dest / "reduced.yaml").write_text(yaml.safe_dump(cfg))
     return dest
 
@@ -248,12 +251,14 @@ def test_the_sweep_runs_through_the_slurm_profile_and_equals_a_local_run(sweep):
     local_rules = set(re.findall(r"^localrule (\w+):", sweep.out, re.M))
     assert local_rules == {"aggregate", "figures", "all"}, local_rules
     remote_rules = re.findall(r"^rule (\w+):", sweep.out, re.M)
-    assert sorted(set(remote_rules)) == ["make_tiny", "pretrain_tiny", "probe", "train"]
-    # 6 jobs, each submitted once: the requeued job kept its SLURM job; the crashed command was retried inside
+    assert sorted(set(remote_rules)) == ["attribute", "make_tiny", "pretrain_tiny", "probe", "train"]
+    # 7 jobs, each submitted once: the requeued job kept its SLURM job; the crashed command was retried inside
     # its job (rule-level `retries` also apply within the job step)
-    assert len(submitted) == len(remote_rules) == 6
+    assert len(submitted) == len(remote_rules) == 7
     for path in (f"results/{SWEEP}/aggregate/runs.csv", f"results/{SWEEP}/aggregate/probe.csv",
                  f"results/{SWEEP}/probe/{MODEL}/vllm-eager.csv", f"figures/{SWEEP}/fig_reward.png",
+                 f"results/{SWEEP}/attribution/{MODEL}/vllm-eager/attribution.csv",
+                 f"figures/{SWEEP}/fig_attribution.png",
                  f"figures/{SWEEP}/fig_probe.pdf", f"figures/{SWEEP}/summary.md"):
         assert (sweep.slurm_wf / path).is_file(), path
     for variant in VARIANTS:
