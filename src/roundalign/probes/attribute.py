@@ -206,7 +206,7 @@ def vllm_engine_side(prompts, cfg: AttributeConfig, log=print) -> EngineData:
     from roundalign.bridge.vllm_guard import check_engine_map
     from roundalign.models.load import vllm_dtype
     from roundalign.numerics.plan import CPU_ENGINES
-    from roundalign.probes.probe_real import shutdown_llm, teacher_forced
+    from roundalign.probes.probe_real import sample_with_logprobs, shutdown_llm, teacher_forced
 
     cpu = cfg.engine in CPU_ENGINES
     if cpu:
@@ -230,21 +230,8 @@ def vllm_engine_side(prompts, cfg: AttributeConfig, log=print) -> EngineData:
             if cfg.engine == "vllm-cpu-compiled":
                 orders = engine_norm_sum_orders(llm)
                 settings["norm_sum_orders"] = [list(o) for o in orders]
-        params = [vllm.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=0.0,
-                                      seed=cfg.seed * 1_000_003 + i, max_tokens=cfg.max_new_tokens, logprobs=0)
-                  for i in range(len(prompts))]
-        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params,
-                               use_tqdm=False)
-        from roundalign.engine.generate import Sample
-
-        samples = []
-        for ids, out in zip(prompts, outputs, strict=True):
-            comp = out.outputs[0]
-            tokens = list(comp.token_ids)
-            if comp.logprobs is None or len(comp.logprobs) < len(tokens):
-                raise RuntimeError("vLLM returned no logprob for some sampled token; vLLM 0.31.0 is expected")
-            logp = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(tokens)], dtype=torch.float32)
-            samples.append(Sample(list(ids), tokens, logp, None))
+        samples = sample_with_logprobs(llm, prompts, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                       seed=cfg.seed, top_p=cfg.top_p, top_k=cfg.top_k)
         prefill = None
         if cfg.sampling_is_plain:
             prefill = [s.logprobs for s in teacher_forced(llm, samples, 1.0)]
