@@ -785,3 +785,24 @@ def test_region_kernels_default_to_eager_and_compiled_mode_compiles_every_region
     monkeypatch.setattr(regions, "_compiled_kernel", lambda fn: built.append(fn.__name__) or fn)
     K = regions.region_kernels("compiled")
     assert K.mode == "compiled" and sorted(built) == sorted(regions._FUSED)
+
+
+def test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order():
+    # regions._with_order binds each order under its own key of a module-level dict that the compiled graph reads
+    # as a constant; one shared key would let the last order registered replace an earlier kernel's on its next
+    # trace (Dynamo's guard on the dict entry fails and it retraces with the other order). Found by sampling the
+    # compiled-mode survivors of make mutation against the slow tests: none of them noticed.
+    from roundalign.numerics import regions as R
+
+    K = R.region_kernels("compiled")
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(64, 256, generator=g) * 3).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    want_a = R.rmsnorm_fused(x, w, 1e-6, sum_order=(16, 2), keep_fp32=True)  # the eager formula in that order
+    want_b = R.rmsnorm_fused(x, w, 1e-6, sum_order=(8, 1), keep_fp32=True)
+    assert not torch.equal(want_a, want_b)  # the two orders sum differently on this data (fp32 output)
+    with torch.no_grad():
+        first = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(16, 2), keep_fp32=True)
+        other = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(8, 1), keep_fp32=True)
+        again = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(16, 2), keep_fp32=True)
+    assert torch.equal(first, want_a) and torch.equal(other, want_b) and torch.equal(again, want_a)
