@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -121,8 +120,7 @@ def main(argv=None) -> int:
     from roundalign.io import atomic_write_json, check_writable
 
     check_writable(Path(args.out))
-    with tempfile.TemporaryDirectory():
-        res = measure(args.model, prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine=args.engine)
+    res = measure(args.model, prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine=args.engine)
     atomic_write_json(Path(args.out), res)
     print(f"[effects] wrote {args.out}")
     return 0

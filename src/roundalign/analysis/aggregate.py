@@ -240,10 +240,8 @@ def _real_engine_probe(meta: Path) -> bool:
         return False
 
 
-def _read_probe_csv(path: Path, kind_columns: tuple[str, ...], sweep: str, model: str, engine: str,
-                    warnings: list[str], own_engine: str | None = None) -> pd.DataFrame:
-    """One probe table, labelled ``engine``; ``own_engine`` (default ``engine``) is what its engine column should say."""
-    need = [c for c in kind_columns if c != "sweep"]
+def _read_table(path: Path, need: list[str]) -> pd.DataFrame:
+    """A per-job CSV as strings, with its columns checked; a missing, unreadable or ill-shaped file is a _BadFile."""
     try:
         df = pd.read_csv(path, dtype=str, keep_default_na=False)
     except FileNotFoundError:
@@ -255,11 +253,24 @@ def _read_probe_csv(path: Path, kind_columns: tuple[str, ...], sweep: str, model
     if missing:
         raise _BadFile(path, f"wrong columns: missing {', '.join(missing)} (has {', '.join(map(str, df.columns))}; "
                              f"expected {', '.join(need)})")
-    value = pd.to_numeric(df["value"].replace("", "nan"), errors="coerce")
-    bad = df["value"][value.isna() & ~df["value"].str.lower().isin(["", "nan"])]
+    return df
+
+
+def _numeric(path: Path, df: pd.DataFrame, col: str) -> pd.Series:
+    """Column ``col`` as numbers ("" and "nan" are NaN); any other non-number is a _BadFile naming its row."""
+    num = pd.to_numeric(df[col].replace("", "nan"), errors="coerce")
+    bad = df[col][num.isna() & ~df[col].str.lower().isin(["", "nan"])]
     if len(bad):
-        raise _BadFile(path, f"non-numeric value {bad.iloc[0]!r} (row {bad.index[0] + 2})")
-    if "layer" in need:
+        raise _BadFile(path, f"non-numeric {col} {bad.iloc[0]!r} (row {bad.index[0] + 2})")
+    return num
+
+
+def _read_probe_csv(path: Path, kind_columns: tuple[str, ...], sweep: str, model: str, engine: str,
+                    warnings: list[str], own_engine: str | None = None) -> pd.DataFrame:
+    """One probe table, labelled ``engine``; ``own_engine`` (default ``engine``) is what its engine column should say."""
+    df = _read_table(path, [c for c in kind_columns if c != "sweep"])
+    value = _numeric(path, df, "value")
+    if "layer" in kind_columns:
         layer = pd.to_numeric(df["layer"], errors="coerce")
         if layer.isna().any() or (layer != layer.round()).any():
             raise _BadFile(path, "non-integer 'layer'")
@@ -278,23 +289,8 @@ _ATTRIBUTION_NUMERIC = ("value", "ci_low", "ci_high")
 
 def _read_attribution_csv(path: Path, sweep: str, model: str, engine: str) -> pd.DataFrame:
     """One ``roundalign attribute`` table, labelled with the sweep and its path's model and engine."""
-    need = [c for c in ATTRIBUTION_COLUMNS if c not in ("sweep", "model", "engine")]
-    try:
-        df = pd.read_csv(path, dtype=str, keep_default_na=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise _BadFile(path, f"unreadable CSV ({first_line})") from None
-    missing = [c for c in need if c not in df.columns]
-    if missing:
-        raise _BadFile(path, f"wrong columns: missing {', '.join(missing)} (has {', '.join(map(str, df.columns))}; "
-                             f"expected {', '.join(need)})")
-    out = {}
-    for col in _ATTRIBUTION_NUMERIC:
-        num = pd.to_numeric(df[col].replace("", "nan"), errors="coerce")
-        bad = df[col][num.isna() & ~df[col].str.lower().isin(["", "nan"])]
-        if len(bad):
-            raise _BadFile(path, f"non-numeric {col} {bad.iloc[0]!r} (row {bad.index[0] + 2})")
-        out[col] = num.astype("float64")
+    df = _read_table(path, [c for c in ATTRIBUTION_COLUMNS if c not in ("sweep", "model", "engine")])
+    out = {col: _numeric(path, df, col).astype("float64") for col in _ATTRIBUTION_NUMERIC}
     step = pd.to_numeric(df["step"], errors="coerce")
     if step.isna().any() or (step != step.round()).any():
         raise _BadFile(path, "non-integer 'step'")
