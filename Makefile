@@ -134,15 +134,20 @@ bench: $(STAMP) $(VLLM_STAMP)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(WORK) .pytest_cache
 
-# Mutation testing ([tool.mutmut] in pyproject.toml): mutmut 3 over numerics/ (but vllm_native.py and patch.py: see
-# pyproject.toml), metrics.py and training/checkpoints.py, one child process, each mutant against the fast tests that
-# reach its function; a fresh run every time (MUTATION_FRESH=0 keeps mutants/ and reruns only what changed).
+# Mutation testing, two tiers. Tier 1, mutmut 3 ([tool.mutmut] in pyproject.toml): every mutant of numerics/ (but
+# vllm_native.py), metrics.py and training/checkpoints.py against the fast tests that reach its function, one child
+# process. Tier 2, scripts/mutation_recheck.py: each mutant tier 1 left alive reruns alone in a fresh process against
+# the slow tests of its file (import-time code, Inductor-only code, end-to-end checkpoint tests), MUTATION_JOBS at
+# once. A fresh run every time (MUTATION_FRESH=0 keeps mutants/ and reruns only what changed).
 # scripts/mutation_report.py writes results/bench/mutation.txt and fails on a survivor it has no explanation for.
 MUTATION_FRESH ?= 1
+MUTATION_JOBS ?= 1
 mutation: $(STAMP)
 	test -x $(BIN)/mutmut || $(BIN)/python -m pip install -q -e ".[mutation]"
 	@if [ "$(MUTATION_FRESH)" = 1 ]; then rm -rf mutants; fi
 	@t0=$$(date +%s); rc=0; $(BIN)/mutmut run --max-children 1 >mutants-run.log 2>&1 || rc=$$?; \
 	    tr '\r' '\n' <mutants-run.log | grep -v '^ *[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏]' | tail -5; mv mutants-run.log mutants/run.log; \
 	    [ $$rc = 0 ] || { echo "make mutation: mutmut run failed ($$rc; mutants/run.log)"; exit $$rc; }; \
-	    $(BIN)/python scripts/mutation_report.py --wall-s $$(( $$(date +%s) - t0 )) --out results/bench/mutation.txt
+	    t1=$$(date +%s); $(BIN)/python scripts/mutation_recheck.py --jobs $(MUTATION_JOBS) || exit $$?; \
+	    $(BIN)/python scripts/mutation_report.py --wall-s $$(( t1 - t0 )) --recheck-wall-s $$(( $$(date +%s) - t1 )) \
+	        --out results/bench/mutation.txt

@@ -2,8 +2,11 @@
 surviving (or untested) mutant with why it is allowed to live.
 
 Reads mutmut's own records (``mutants/**/*.meta``: exit code per mutant; ``mutants/mutmut-stats.json``: which tests
-reach which function) and the run's configuration (``[tool.mutmut]`` in pyproject.toml). Exits 1 when a survivor has
-no entry in ``EXPLAINED`` (after writing the file): a new survivor needs a test that kills it, or an explanation here.
+reach which function), the second tier's (``mutants/recheck.json``, scripts/mutation_recheck.py: each mutant mutmut
+left alive, rerun alone in a fresh process against the slow tests of its file) and the run's configuration
+(``[tool.mutmut]`` in pyproject.toml). A mutant the second tier killed counts as killed; one it did not recheck (or
+rechecked at another version of its function) keeps mutmut's verdict. Exits 1 when a survivor has no entry in
+``EXPLAINED`` (after writing the file): a new survivor needs a test that kills it, or an explanation here.
 
 Score = killed / total. "killed" counts a mutant whose tests failed or whose test process died (mutmut's "segfault":
 the fault-injection mutants of checkpoints.fault_point SIGKILL the test process itself).
@@ -164,6 +167,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/bench/mutation.txt")
     ap.add_argument("--wall-s", type=float, default=None, help="wall time of the mutmut run (make mutation passes it)")
+    ap.add_argument("--recheck-wall-s", type=float, default=None, help="wall time of tier 2 (make mutation passes it)")
     ap.add_argument("--mutants", default="mutants")
     ap.add_argument("--note", action="append", default=[], help="a line to record under the header (e.g. a run cut short)")
     args = ap.parse_args(argv)
@@ -193,6 +197,29 @@ def main(argv=None) -> int:
             c[st] += 1
         if c:
             per_file[rel] = c
+    recheck_path = mutants_dir / "recheck.json"
+    recheck = json.loads(recheck_path.read_text()) if recheck_path.exists() else {}
+    hashes = {}
+    for meta in metas:
+        data = json.loads(meta.read_text())
+        mod = ".".join(meta.relative_to(mutants_dir / "src").with_suffix("").with_suffix("").parts)
+        mod = mod.removesuffix(".__init__")
+        hashes.update({f"{mod}.{fn}": h for fn, h in data["hash_by_function_name"].items()})
+    tier2 = Counter()
+    for name, st in list(status.items()):
+        r = recheck.get(name)
+        if st not in ("survived", "no tests") or r is None or r.get("hash") != hashes.get(name.rsplit("__mutmut_", 1)[0]):
+            continue
+        tier2["rechecked"] += 1
+        if r["verdict"] in ("killed", "survived"):
+            status[name] = r["verdict"]
+            tier2[r["verdict"]] += 1
+            rel = "src/" + name.rsplit(".", 1)[0].replace(".", "/") + ".py"
+            rel = rel if rel in per_file else rel[:-3] + "/__init__.py"
+            per_file[rel][st] -= 1
+            per_file[rel][r["verdict"]] += 1
+            if r["verdict"] == "killed":
+                per_file[rel]["killed in tier 2"] += 1
     total = len(status)
     counts = Counter(status.values())
     killed = counts["killed"]
@@ -210,22 +237,28 @@ def main(argv=None) -> int:
         f"one child process (--max-children 1), OMP_NUM_THREADS=1",
         f"# mutated: {', '.join(cfg.get('only_mutate', []))}; not mutated: {', '.join(cfg.get('do_not_mutate', []))} "
         f"(reasons in pyproject.toml [tool.mutmut])",
-        f"# tests: {' '.join(sel)} ({n_tests} tests collected); each mutant runs the selected tests that reached its "
-        f"function while mutmut collected stats",
-        f"# wall time of the run: {args.wall_s:.0f} s ({args.wall_s / 60:.1f} min)" if args.wall_s is not None
-        else "# wall time of the run: not measured (run through `make mutation`)",
+        f"# tier 1, mutmut: {' '.join(sel)} ({n_tests} tests collected); each mutant runs the selected tests that "
+        f"reached its function while mutmut collected stats",
+        f"# tier 2, scripts/mutation_recheck.py: each mutant tier 1 left alive reruns alone in a fresh process against "
+        f"the slow tests of its file (RECHECK there): {tier2['rechecked']} rechecked, {tier2['killed']} killed, "
+        f"{tier2['survived']} survived",
+        f"# wall time of tier 1: {args.wall_s:.0f} s ({args.wall_s / 60:.1f} min)" if args.wall_s is not None
+        else "# wall time of tier 1: not measured (run through `make mutation`)",
+        f"# wall time of tier 2: {args.recheck_wall_s:.0f} s ({args.recheck_wall_s / 60:.1f} min)"
+        if args.recheck_wall_s is not None else "# wall time of tier 2: not measured (run through `make mutation`)",
         *(f"# NOTE: {n}" for n in args.note),
         "",
         f"total {total}  killed {killed}  survived {counts['survived']}  timeout {counts['timeout']}  "
         f"suspicious {counts['suspicious']}  no-tests {counts['no tests']}  not-checked {counts['not checked']}",
         f"score = killed / total = {killed}/{total} = {killed / total:.3f}",
         "",
-        "per file:            total  killed  survived  no-tests  other",
+        "per file:                                     total  killed (tier 2)  survived  no-tests  other",
     ]
     for rel, c in per_file.items():
-        other = sum(v for k, v in c.items() if k not in ("killed", "survived", "no tests"))
-        lines.append(f"  {rel:<44} {sum(c.values()):5d}  {c['killed']:6d}  {c['survived']:8d}  {c['no tests']:8d}  "
-                     f"{other:5d}")
+        other = sum(v for k, v in c.items() if k not in ("killed", "survived", "no tests", "killed in tier 2"))
+        n = sum(v for k, v in c.items() if k != "killed in tier 2")
+        lines.append(f"  {rel:<44} {n:5d}  {c['killed']:6d} ({c['killed in tier 2']:4d})  {c['survived']:8d}  "
+                     f"{c['no tests']:8d}  {other:5d}")
     lines += ["", f"survivors ({len(survivors)}), each with why it lives:"]
     for n in survivors:
         why = _explanation(n, EXPLAINED) or "UNEXPLAINED: kill it with a test or explain it in scripts/mutation_report.py"

@@ -806,3 +806,72 @@ def test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order():
         other = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(8, 1), keep_fp32=True)
         again = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(16, 2), keep_fp32=True)
     assert torch.equal(first, want_a) and torch.equal(other, want_b) and torch.equal(again, want_a)
+
+
+# -- patch.py: what the fast mutation pass showed no test observing -------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("training", [False, True])
+def test_aligned_attention_calls_the_attention_interface_as_stock_does(arch, training, monkeypatch):
+    """The aligned attention re-states the stock forward around the attention call: it must hand the attention
+    interface exactly the keywords stock transformers does (dropout in training only, the scaling, the layer's
+    sliding window, and every keyword the decoder layer passes through). The tiny models use no sliding window and
+    no dropout, so a dropped ``sliding_window`` or an inverted ``training`` test survived the suite: here each layer
+    gets a window of 5 and a dropout of 0.25, and a recording attention function compares the two models' calls."""
+    from transformers import AttentionInterface
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    calls = []
+
+    def spy(module, q, k, v, mask, **kw):
+        calls.append({key: tuple(val.shape) if torch.is_tensor(val) else val for key, val in kw.items()})
+        return eager_attention_forward(module, q, k, v, mask, **kw)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "roundalign_spy", spy)
+
+    def recorded(model):
+        calls.clear()
+        model.set_attn_implementation("roundalign_spy")
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window, layer.self_attn.attention_dropout = 5, 0.25
+        model.train(training)
+        with torch.no_grad():
+            model(input_ids=torch.arange(12).view(1, 12) % 100)
+        return list(calls)
+
+    want = recorded(random_qwen(arch))
+    got = recorded(apply_alignment(random_qwen(arch), "full", "vllm-compiled"))
+    assert len(want) == 2 and want[0]["dropout"] == (0.25 if training else 0.0) and want[0]["sliding_window"] == 5
+    assert got == want
+
+
+def test_the_carrier_slot_is_empty_after_every_forward():
+    """``_take_lo`` empties the trunk's carrier slot whenever it is read, so that nothing outlives one forward: after
+    a forward, the slot holds no tensor (a slot left holding the last layer's output and its fp32 low part would keep
+    both alive, and hand the low part to a later call that happens to pass that tensor again)."""
+    from roundalign.numerics.patch import SLOT_ATTR
+
+    model = apply_alignment(random_qwen("qwen2", layers=3), "full", "vllm-compiled")
+    slots = {id(s): s for m in model.modules() if (s := getattr(m, SLOT_ATTR, None)) is not None}
+    assert len(slots) == 1
+    (slot,) = slots.values()
+    for _ in range(2):
+        with torch.no_grad():
+            model(input_ids=torch.arange(10).view(1, 10))
+        assert slot == {"out": None, "lo": None}
+
+
+def test_alignment_of_a_never_aligned_model_and_the_aligned_classes_names():
+    """``alignment_of`` of a model never aligned is the documented default; an aligned instance's class is the
+    roundalign subclass named like the stock one, from roundalign.numerics.patch (pickling finds it there), with a
+    docstring saying what it is (what ``help(layer)`` shows)."""
+    from roundalign.numerics import patch
+
+    assert patch.alignment_of(random_qwen("qwen3")) == ("baseline", "vllm-compiled", "eager")
+    aligned = apply_alignment(random_qwen("qwen3"), "full", "vllm-cpu-compiled", kernels="eager")
+    assert patch.alignment_of(aligned) == ("full", "vllm-cpu-compiled", "eager")
+    for module, name in ((aligned.model.layers[0], "Qwen3DecoderLayer"), (aligned.model.norm, "Qwen3RMSNorm")):
+        cls = type(module)
+        assert (cls.__name__, cls.__qualname__, cls.__module__) == (name, name, "roundalign.numerics.patch")
+        assert getattr(patch, name) is cls
+        assert cls.__doc__ == f"{name} with roundalign's aligned forward (per instance)."

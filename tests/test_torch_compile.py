@@ -82,8 +82,15 @@ def test_compiling_an_aligned_model_without_emulated_casts_warns_once(monkeypatc
     assert warnings_of(model, options=EMULATE) == []
     assert warnings_of(model, backend="aot_eager") == []
     assert warnings_of(random_qwen("qwen3", attn="sdpa", layers=1)) == []  # stock: no aligned forward traced
+    # Inductor's global setting counts as the option (only an unset option falls back to it)
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    assert warnings_of(model) == []
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", False)
     first = warnings_of(model)
-    assert len(first) == 1 and "torch.compile(model, options=" in first[0]
+    assert first == [
+        "an aligned roundalign model is being compiled by Inductor without emulate_precision_casts: Inductor fuses the "
+        "aligned regions and drops the bf16 roundings they keep, so the model no longer rounds where the engine does. "
+        'Compile it with torch.compile(model, options={"emulate_precision_casts": True}) (docs/numerics.md).']
     assert warnings_of(model) == []  # once per process
 
 

@@ -69,6 +69,7 @@ The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinne
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 
 import torch
@@ -99,12 +100,11 @@ def _check_compile_options(ctx) -> None:
         return
     import torch._inductor.config as inductor_config
 
-    backend = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.compiler_fn
-    for _ in range(4):  # torch.compile's Inductor wrapper, under Dynamo's debug wrapper
-        if isinstance(backend, torch._TorchCompileInductorWrapper):
-            break
-        backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
-    else:
+    inductor = torch._TorchCompileInductorWrapper
+    # torch.compile's Inductor wrapper sits under Dynamo's debug wrapper (functools.wraps: __wrapped__)
+    backend = inspect.unwrap(ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.compiler_fn,
+                             stop=lambda fn: isinstance(fn, inductor))
+    if not isinstance(backend, inductor):
         return
     if backend.config.get("emulate_precision_casts", inductor_config.emulate_precision_casts):
         return
@@ -115,7 +115,7 @@ def _check_compile_options(ctx) -> None:
         "an aligned roundalign model is being compiled by Inductor without emulate_precision_casts: Inductor fuses "
         "the aligned regions and drops the bf16 roundings they keep, so the model no longer rounds where the engine "
         "does. Compile it with torch.compile(model, options={\"emulate_precision_casts\": True}) "
-        "(docs/numerics.md).", stacklevel=2)
+        "(docs/numerics.md).")  # raised while Dynamo traces: no stack level reaches the caller
 
 
 def _while_compiling() -> None:
