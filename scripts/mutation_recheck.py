@@ -15,10 +15,11 @@ the tests its row of ``RECHECK`` names.
 Before any mutant, each selection runs once with no mutant active and must pass: a selection that fails on its own
 (or breaks under mutmut's trampolines) would make every mutant look killed.
 
-Results go to ``mutants/recheck.json`` (written after each mutant, atomically; a rerun skips the mutants it holds,
-``--fresh`` starts over); scripts/mutation_report.py counts a mutant it records as killed as killed.
+Results go to ``mutants/recheck.json`` (written after each mutant, atomically). A rerun skips each mutant recorded
+with the same tests and the same source of its function; ``--retry-survivors`` reruns the recorded survivors too
+(after a new test), ``--fresh`` starts over. scripts/mutation_report.py counts a mutant recorded as killed as killed.
 
-    python scripts/mutation_recheck.py [--jobs 2] [--only PATTERN] [--fresh]
+    python scripts/mutation_recheck.py [--jobs 2] [--only PATTERN ...] [--retry-survivors] [--fresh]
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ RECHECK: list[tuple[str, list[str]]] = [
     (_R + "xǁ_RecomputeInBackwardǁbackward__mutmut_*", _COMPILED + ["tests/test_activation_memory.py"]),
     (_R + "*", ["tests/test_regions.py", "tests/test_direct_mutants.py", "tests/test_activation_memory.py",
                 "tests/test_engine.py"]),
+    ("roundalign.numerics.plan.*", ["tests/test_regions.py", "tests/test_patch.py", "tests/test_engine.py"]),
+    ("roundalign.numerics.x_*", ["tests/test_patch.py", "tests/test_regions.py"]),  # numerics/__init__.py
     # the two end-to-end checkpoint tests SIGKILL a `roundalign train` subprocess (it inherits the mutant)
     ("roundalign.training.checkpoints.*", ["tests/test_direct_mutants.py", "tests/test_checkpoints.py"]),
     ("roundalign.metrics.*", ["tests/test_metrics.py", "tests/test_direct_mutants.py"]),
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     ap.add_argument("--only", action="append", help="fnmatch pattern on mutant names, repeatable (default: all alive)")
     ap.add_argument("--fresh", action="store_true", help="forget mutants/recheck.json and recheck everything")
+    ap.add_argument("--retry-survivors", action="store_true",
+                    help="rerun the mutants recorded as survivors too (after adding tests that should kill them)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant before it counts as a timeout")
     args = ap.parse_args(argv)
     if not (MUTANTS / "src").is_dir():
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     # a result is reused only for the same selection and the same function source (mutmut renumbers the mutants of
     # a function whose source changed)
     todo = [n for n in sorted(alive)
-            if (results.get(n, {}).get("tests"), results.get(n, {}).get("hash")) != (selection_of(n), alive[n][1])]
+            if (results.get(n, {}).get("tests"), results.get(n, {}).get("hash")) != (selection_of(n), alive[n][1])
+            or (args.retry_survivors and results[n]["verdict"] != "killed")]
     selections = sorted({tuple(selection_of(n)) for n in todo})
     print(f"mutation_recheck: {len(alive)} alive after mutmut's pass, {len(todo)} to run "
           f"({len(alive) - len(todo)} already rechecked), {args.jobs} at once", flush=True)
