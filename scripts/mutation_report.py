@@ -119,6 +119,10 @@ EXPLAINED.update({
        "equivalent: type() sets __module__ from the calling module's __name__ (roundalign.numerics.patch) and "
        "__qualname__ to the class name when the namespace lacks them, so dropping either key changes nothing "
        "(tests/test_direct_mutants.py pins both)" for i in (33, 34, 35, 36)},
+    **{f"roundalign.numerics.patch.x__check_compile_options__mutmut_{i}":
+       "equivalent with torch 2.13.0: torch.compile's Inductor wrapper has no __wrapped__, so inspect.unwrap ends on "
+       "it with or without the stop predicate (which guards against a later torch wrapping it further)"
+       for i in (4, 6, 7)},
 })
 
 # Untested mutants ("no tests": no selected fast test reaches their function), by function pattern, with the reason.

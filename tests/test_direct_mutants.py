@@ -906,3 +906,42 @@ def test_full_on_the_cpu_eager_engine_of_an_avx2_build_is_on_policy_and_needs_th
     monkeypatch.setattr(plan_mod, "cpu_kernel_build", lambda: "_C")
     apply_alignment(model, "full", "vllm-cpu-eager")
     assert sum(int((logprobs(model, s) == s.logprobs).sum()) for s in samples) < 0.9 * n
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_norm_sum_orders_take_variant_norm_and_a_wrong_count_names_the_norms_the_model_runs(arch):
+    """``norm_sum_orders`` apply to the variants that align the norms, ``norm`` as well as ``full``; a list of the
+    wrong length is refused with the count and the norms this architecture runs (Qwen3's q/k norms included)."""
+    from roundalign.numerics.patch import norm_modules
+
+    model = random_qwen(arch, layers=2, hidden=64)
+    n = 2 * (2 if arch == "qwen2" else 4) + 1
+    apply_alignment(model, "norm", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * n)
+    assert [m._roundalign_sum_order for m in norm_modules(model)] == [(16, 1)] * n
+    with pytest.raises(ValueError) as err:
+        apply_alignment(model, "full", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * 3)
+    qk = ", q, k" if arch == "qwen3" else ""
+    assert str(err.value) == (f"norm_sum_orders has 3 entries; this model runs {n} RMSNorms (per layer input{qk}, "
+                              "post-attention; then the final norm): was the engine's graph read for another model?")
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_wrapped_submodule_is_refused_naming_its_class_and_what_to_do():
+    """A module apply_alignment must switch that is not a transformers Qwen module (here an MLP inside a wrapper, as
+    FSDP or a user's wrapper leaves it) is refused before anything changes, naming its class and the remedy."""
+    model = random_qwen("qwen2")
+    model.model.layers[0].mlp = _Wrapper(model.model.layers[0].mlp)
+    with pytest.raises(TypeError) as err:
+        apply_alignment(model, "full", "vllm-compiled")
+    assert str(err.value) == (f"cannot align a {__name__}._Wrapper instance: apply_alignment expects transformers' "
+                              "Qwen2/Qwen3 modules (apply it before wrapping the model with FSDP or other module "
+                              "wrappers)")
+    assert not any(type(m).__module__ == "roundalign.numerics.patch" for m in model.modules())
