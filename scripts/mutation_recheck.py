@@ -44,9 +44,9 @@ OUT = MUTANTS / "recheck.json"
 # Each row names what the fast pass could not run for those functions.
 _P = "roundalign.numerics.patch."
 _R = "roundalign.numerics.regions."
-# the engine-equality test first: it kills most patch.py mutants the fast pass missed
-_PATCH_ALL = ["tests/test_engine.py::test_full_is_on_policy_with_equal_kernels", "tests/test_patch.py",
-              "tests/test_direct_mutants.py", "tests/test_engine.py"]
+# the direct tests, then the engine-equality test: together they kill most patch.py mutants the fast pass missed
+_PATCH_ALL = ["tests/test_direct_mutants.py", "tests/test_engine.py::test_full_is_on_policy_with_equal_kernels",
+              "tests/test_patch.py", "tests/test_engine.py"]
 _COMPILED = ["tests/test_direct_mutants.py::test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order",
              "tests/test_patch.py::test_norm_sum_orders_reach_every_norm_and_are_checked",
              "tests/test_inductor.py", "tests/test_compiled_engine.py"]

@@ -123,6 +123,14 @@ EXPLAINED.update({
        "equivalent with torch 2.13.0: torch.compile's Inductor wrapper has no __wrapped__, so inspect.unwrap ends on "
        "it with or without the stop predicate (which guards against a later torch wrapping it further)"
        for i in (4, 6, 7)},
+    "roundalign.numerics.patch.x__qk_norm_rope__mutmut_32":
+        "equivalent: getattr's default None for False; both are falsy",
+    **{f"roundalign.numerics.patch.x__set_sum_orders__mutmut_{i}":
+       "equivalent: the message's ', q, k' test separates 2L+1 norms (Qwen2) from 4L+1 (Qwen3); 3L+1 or 2L+2 as "
+       "the threshold separates them as well for every L >= 1" for i in (26, 27)},
+    **{f"roundalign.numerics.patch.x_apply_alignment__mutmut_{i}":
+       "equivalent: getattr's default for hidden_act never applies: Qwen2Config and Qwen3Config define hidden_act "
+       "as a class default (transformers 5.17.0), so every Qwen config has one" for i in (19, 22)},
 })
 
 # Untested mutants ("no tests": no selected fast test reaches their function), by function pattern, with the reason.

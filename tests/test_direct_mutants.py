@@ -945,3 +945,34 @@ def test_a_wrapped_submodule_is_refused_naming_its_class_and_what_to_do():
                               "Qwen2/Qwen3 modules (apply it before wrapping the model with FSDP or other module "
                               "wrappers)")
     assert not any(type(m).__module__ == "roundalign.numerics.patch" for m in model.modules())
+
+
+def test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_baseline_removes_it():
+    """apply_alignment records what it applied in the model's own copy of its config (what save_pretrained writes
+    and load_model re-applies): exactly the variant, engine, kernels and any norm orders; a later apply rewrites it
+    in the same config object (a user's reference to model.config stays the model's), and baseline removes it."""
+    from roundalign.numerics.patch import recorded_alignment
+
+    model = random_qwen("qwen3", layers=2, hidden=64)
+    shared = model.config
+    apply_alignment(model, "full", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * 9)
+    cfg = model.config
+    assert cfg is not shared and not hasattr(shared, "roundalign")
+    assert cfg.roundalign == {"variant": "full", "engine": "vllm-cpu-compiled", "kernels": "eager",
+                              "norm_sum_orders": [[16, 1]] * 9}
+    assert all(m.config is cfg for m in model.modules() if hasattr(m, "config"))
+    apply_alignment(model, "rope", "vllm-eager")
+    assert model.config is cfg and cfg.roundalign == {"variant": "rope", "engine": "vllm-eager", "kernels": "eager"}
+    assert recorded_alignment(cfg)[:3] == ("rope", "vllm-eager", "eager")
+    apply_alignment(model, "baseline")
+    assert model.config is cfg and "roundalign" not in cfg.to_dict() and recorded_alignment(cfg) is None
+
+
+def test_a_model_whose_mlp_is_not_swiglu_is_refused_naming_its_activation():
+    """The SwiGLU region is silu(gate) * up: a Qwen model configured with another activation is refused, naming
+    it."""
+    model = random_qwen("qwen2")
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError) as err:
+        apply_alignment(model, "full", "vllm-compiled")
+    assert str(err.value) == "roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act='gelu'"
