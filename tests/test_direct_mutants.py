@@ -976,3 +976,30 @@ def test_a_model_whose_mlp_is_not_swiglu_is_refused_naming_its_activation():
     with pytest.raises(ValueError) as err:
         apply_alignment(model, "full", "vllm-compiled")
     assert str(err.value) == "roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act='gelu'"
+
+
+def test_another_architecture_is_refused_with_the_whole_message():
+    """The message a Llama user gets, whole: the class, every supported class, the Qwen2.5 note and why."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from roundalign.numerics.patch import SUPPORTED_MODEL_CLASSES
+
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=64))
+    with pytest.raises(TypeError) as err:
+        apply_alignment(llama, "full")
+    assert str(err.value) == (
+        f"unsupported model class LlamaForCausalLM; roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)} "
+        "(Qwen2.5 checkpoints load as Qwen2). Other architectures round in other places and need their own alignment.")
+
+
+def test_the_default_kernels_are_compiled_only_for_the_cpu_compiled_engine_on_bf16():
+    """Against vLLM-CPU's compiled engine the regions default to Inductor-compiled kernels (which reduce the RMSNorm
+    mean as the engine's graph does: every token bitwise in tests/vllm_cpu/test_real_engine.py, where eager kernels
+    left 1 of 449 apart, a test that runs only in .venv-vllm); eager everywhere else, and on fp32 models."""
+    from roundalign.numerics.patch import alignment_of, default_kernels
+
+    assert [default_kernels(e) for e in ("vllm-compiled", "vllm-eager", "vllm-cpu-compiled", "vllm-cpu-eager")] == [
+        "eager", "eager", "compiled", "eager"]
+    assert default_kernels("vllm-cpu-compiled", torch.float32) == "eager"
+    assert alignment_of(apply_alignment(random_qwen("qwen2"), "full", "vllm-cpu-compiled"))[2] == "compiled"

@@ -83,9 +83,8 @@ def test_compiling_an_aligned_model_without_emulated_casts_warns_once(monkeypatc
     assert warnings_of(model, backend="aot_eager") == []
     assert warnings_of(random_qwen("qwen3", attn="sdpa", layers=1)) == []  # stock: no aligned forward traced
     # Inductor's global setting counts as the option (only an unset option falls back to it)
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
-    assert warnings_of(model) == []
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", False)
+    with torch._inductor.config.patch(emulate_precision_casts=True):  # (monkeypatch would delete the setting)
+        assert warnings_of(model) == []
     first = warnings_of(model)
     assert first == [
         "an aligned roundalign model is being compiled by Inductor without emulate_precision_casts: Inductor fuses the "
