@@ -63,7 +63,9 @@ RECHECK: list[tuple[str, list[str]]] = [
     (_P + "x__set_sum_orders__mutmut_*", [
         "tests/test_direct_mutants.py::test_norm_sum_orders_take_variant_norm_and_a_wrong_count_names_the_norms_the_"
         "model_runs", "tests/test_patch.py", "tests/test_compiled_engine.py"]),
-    (_P + "x_recorded_alignment__mutmut_*", ["tests/test_patch.py", "tests/test_compiled_engine.py"]),
+    (_P + "x_recorded_alignment__mutmut_*", [
+        "tests/test_direct_mutants.py::test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_"
+        "baseline_removes_it", "tests/test_patch.py", "tests/test_compiled_engine.py"]),
     (_P + "*", _PATCH_ALL + ["tests/test_compiled_engine.py"]),
     # the compiled region kernels and their VJP: Inductor
     (_R + "x__compiled_kernel__mutmut_*", _COMPILED),
