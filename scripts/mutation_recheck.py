@@ -91,10 +91,10 @@ def selection_of(name: str) -> list[str] | None:
 ALIVE = {0: "survived", 33: "no tests"}
 
 
-def alive_mutants() -> dict[str, tuple[str, str]]:
+def alive_mutants(mutants: Path = MUTANTS) -> dict[str, tuple[str, str]]:
     """Every mutant mutmut's pass left alive: name -> ('survived' | 'no tests', hash of its function's source)."""
     alive = {}
-    for meta in sorted((MUTANTS / "src").rglob("*.meta")):
+    for meta in sorted((mutants / "src").rglob("*.meta")):
         data = json.loads(meta.read_text())
         for name, code in data["exit_code_by_key"].items():
             if code in ALIVE:

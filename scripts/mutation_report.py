@@ -227,19 +227,16 @@ def main(argv=None) -> int:
             per_file[rel] = c
     recheck_path = mutants_dir / "recheck.json"
     recheck = json.loads(recheck_path.read_text()) if recheck_path.exists() else {}
-    hashes = {}
-    for meta in metas:
-        data = json.loads(meta.read_text())
-        mod = ".".join(meta.relative_to(mutants_dir / "src").with_suffix("").with_suffix("").parts)
-        mod = mod.removesuffix(".__init__")
-        hashes.update({f"{mod}.{fn}": h for fn, h in data["hash_by_function_name"].items()})
+    from mutation_recheck import alive_mutants  # its reader of mutmut's verdicts, with each function's source hash
+
+    alive = alive_mutants(mutants_dir)
     tier2 = Counter()
     not_rechecked = []
     for name, st in list(status.items()):
         r = recheck.get(name)
         if st not in ("survived", "no tests"):
             continue
-        if r is None or r.get("hash") != hashes.get(name.rsplit("__mutmut_", 1)[0]):
+        if r is None or r.get("hash") != alive[name][1]:
             not_rechecked.append(name)
             continue
         tier2["rechecked"] += 1
