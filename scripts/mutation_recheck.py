@@ -47,7 +47,8 @@ _R = "roundalign.numerics.regions."
 # the direct tests, then the engine-equality test: together they kill most patch.py mutants the fast pass missed
 _PATCH_ALL = ["tests/test_direct_mutants.py", "tests/test_engine.py::test_full_is_on_policy_with_equal_kernels",
               "tests/test_patch.py", "tests/test_engine.py"]
-_COMPILED = ["tests/test_direct_mutants.py::test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order",
+_VJP = "tests/test_direct_mutants.py::test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp"
+_COMPILED = [_VJP, "tests/test_direct_mutants.py::test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order",
              "tests/test_patch.py::test_norm_sum_orders_reach_every_norm_and_are_checked",
              "tests/test_inductor.py", "tests/test_compiled_engine.py"]
 _WARNS = "tests/test_torch_compile.py::test_compiling_an_aligned_model_without_emulated_casts_warns_once"
@@ -73,6 +74,10 @@ RECHECK: list[tuple[str, list[str]]] = [
     (_R + "x__by_sum_order__mutmut_*", _COMPILED),
     (_R + "x__with_order__mutmut_*", _COMPILED),
     (_R + "xǁ_RecomputeInBackwardǁbackward__mutmut_*", _COMPILED + ["tests/test_activation_memory.py"]),
+    # one autograd node per region: its compiled VJP, and the formula itself inside an outer torch.compile
+    (_R + "x__one_node__mutmut_*", [_VJP, "tests/test_torch_compile.py", "tests/test_regions.py",
+                                     "tests/test_direct_mutants.py", "tests/test_activation_memory.py",
+                                     "tests/test_engine.py"]),
     (_R + "*", ["tests/test_regions.py", "tests/test_direct_mutants.py", "tests/test_activation_memory.py",
                 "tests/test_engine.py"]),
     ("roundalign.numerics.plan.*", ["tests/test_regions.py", "tests/test_patch.py", "tests/test_engine.py"]),

@@ -137,6 +137,21 @@ EXPLAINED.update({
     "roundalign.numerics.patch.x_apply_alignment__mutmut_88":
         "equivalent: the aligned MLP reads no plan (it is installed only when the plan fuses SwiGLU, and always runs "
         "the fused kernel)",
+    **{f"roundalign.numerics.patch.xǁ_AlignedDecoderLayerǁforward__mutmut_{i}":
+       "equivalent: in an fp32 model the layer's mode only has to differ from 'fp32', 'fp32-stream' and 'fp32-read' "
+       "(any such string runs the bf16 path); the one other use joins the incoming low part, which is None there: "
+       "nothing writes the carrier slot when the mode is none of the fp32 modes" for i in (12, 13)},
+    **{f"roundalign.numerics.patch.xǁ_AlignedDecoderLayerǁforward__mutmut_{i}":
+       "equivalent: joining the incoming low part in residual mode 'bf16' as well: it is None there, since only "
+       "the fp32 residual modes write the carrier slot (_split_fp32)" for i in (20, 22, 23)},
+    **{f"roundalign.numerics.patch.xǁ_AlignedRMSNormǁforward__mutmut_{i}":
+       "equivalent: taking the carrier slot's low part in residual mode 'bf16' as well: only the fp32 residual modes "
+       "write the slot (_split_fp32), so it is empty and _take_lo returns None" for i in (53, 59, 60)},
+    "roundalign.numerics.patch.xǁ_AlignedRMSNormǁforward__mutmut_11":
+        "equivalent: passing sum_order=None when the norm has no order: None is every region's default order",
+    "roundalign.numerics.patch.xǁ_AlignedRMSNormǁforward__mutmut_50":
+        "equivalent: the bf16-sum add (residual 'bf16', vllm-eager) never has a reduction order: _set_sum_orders "
+        "sets one only under vllm-cpu-compiled (residual 'fp32-stream') and refuses every other engine",
     **{f"roundalign.numerics.patch.x_decoder_trunk__mutmut_{i}":
        "equivalent: a bare Qwen*Model's base_model is the model itself, so taking base_model for every supported "
        "class returns the same trunk" for i in (12, 15, 16, 17)},

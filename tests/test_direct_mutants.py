@@ -808,6 +808,63 @@ def test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order():
     assert torch.equal(first, want_a) and torch.equal(other, want_b) and torch.equal(again, want_a)
 
 
+def _inductor_vjp(formula, inputs, grads, **kwargs):
+    """The spec of a compiled region's backward, written here: Inductor's compile (dynamic shapes) of
+    ``torch.func.vjp`` of the eager formula, with the formula's keywords bound in the traced function."""
+    def vjp(xs, gs):
+        out, pull = torch.func.vjp(lambda *a: formula(*a, **kwargs), *xs)
+        return pull(gs if isinstance(out, tuple) else gs[0])
+    torch._dynamo.reset()
+    return torch.compile(vjp, dynamic=True)(tuple(inputs), tuple(grads))
+
+
+@pytest.mark.parametrize("region", ["swiglu", "rmsnorm", "add_fp32_sum", "add_bf16_sum"])
+def test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp(region):
+    """A compiled region's first-order backward is Inductor's compile of the formula's VJP: bitwise the VJP compiled
+    here, with the region's keywords (eps, the reduction order, keep_fp32) reaching it, a missing output gradient
+    taken as zeros of that output's shape and dtype, and no gradient for an input that needs none. Within 2^-6
+    (relative norm) of the eager formula's autograd: an Inductor-independent check that the right function is
+    differentiated. tests/test_compiled_engine.py checks the forwards against the compiled engine; nothing checked
+    this VJP alone."""
+    from roundalign.numerics import regions as R
+
+    K = R.region_kernels("compiled")
+    g = torch.Generator().manual_seed(41)
+    rows, d = 24, 128
+    x = (torch.randn(rows, d, generator=g) * 3).to(BF16)
+    other = (torch.randn(rows, d, generator=g) * 2).to(BF16)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(BF16)
+    dy = torch.randn(rows, d, generator=g).to(BF16)
+    if region == "swiglu":
+        formula, kernel, inputs, kw, needs = R.swiglu_fused, K.swiglu_fused, [x, other], {}, [True, False]
+    elif region == "rmsnorm":
+        formula, kernel, inputs = R.rmsnorm_fused, K.rmsnorm_fused, [x, w]
+        kw, needs = {"eps": 1e-6, "sum_order": (8, 2), "keep_fp32": True}, [True, True]
+    else:
+        name = {"add_fp32_sum": "add_rmsnorm_fp32_sum", "add_bf16_sum": "add_rmsnorm_bf16_sum"}[region]
+        formula, kernel, inputs = getattr(R, name), getattr(K, name), [x, other, w]
+        kw, needs = {"eps": 1e-6, "sum_order": (8, 2)}, [True, False, True]
+    leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
+    out = kernel(*leaves, **kw)
+    first = out[0] if isinstance(out, tuple) else out  # a norm's second output (the residual sum) gets no gradient
+    first.backward(dy.to(first.dtype))
+    got = [t.grad for t in leaves]
+    assert [gr is not None for gr in got] == needs  # no gradient where none is needed
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = [dy.to(first.dtype)] + [torch.zeros(o.shape, dtype=o.dtype) for o in outs[1:]]
+    want = _inductor_vjp(formula, inputs, grads, **kw)
+    assert len(want) == len(inputs)
+    eager_leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
+    eager_out = formula(*eager_leaves, **kw)
+    (eager_out[0] if isinstance(eager_out, tuple) else eager_out).backward(dy.to(first.dtype))
+    for gr, wa, leaf, n in zip(got, want, eager_leaves, needs):
+        if not n:
+            continue
+        assert gr.dtype == leaf.dtype and torch.equal(gr, wa)  # bitwise Inductor's compile of the VJP
+        e = leaf.grad.float()  # bf16 rounding apart (a weight's gradient also sums over rows in bf16 here)
+        assert (gr.float() - e).norm() <= 2.0 ** -6 * e.norm()
+
+
 # -- patch.py: what the fast mutation pass showed no test observing -------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -815,9 +872,10 @@ def test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order():
 def test_aligned_attention_calls_the_attention_interface_as_stock_does(arch, training, monkeypatch):
     """The aligned attention re-states the stock forward around the attention call: it must hand the attention
     interface exactly the keywords stock transformers does (dropout in training only, the scaling, the layer's
-    sliding window, and every keyword the decoder layer passes through). The tiny models use no sliding window and
-    no dropout, so a dropped ``sliding_window`` or an inverted ``training`` test survived the suite: here each layer
-    gets a window of 5 and a dropout of 0.25, and a recording attention function compares the two models' calls."""
+    sliding window, and every keyword the decoder layer passes through, with the layer's defaults when a layer is
+    called on its own). The tiny models use no sliding window and no dropout, so a dropped ``sliding_window`` or an
+    inverted ``training`` test survived the suite: here each layer gets a window of 5 and a dropout of 0.25, and a
+    recording attention function compares the two models' calls."""
     from transformers import AttentionInterface
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
@@ -836,13 +894,37 @@ def test_aligned_attention_calls_the_attention_interface_as_stock_does(arch, tra
             layer.self_attn.sliding_window, layer.self_attn.attention_dropout = 5, 0.25
         model.train(training)
         with torch.no_grad():
-            model(input_ids=torch.arange(12).view(1, 12) % 100)
+            # a keyword the model passes through its layers to the attention function (as flash-attention's
+            # cu_seq_lens are), then one layer called on its own, with the layer's defaults
+            model(input_ids=torch.arange(12).view(1, 12) % 100, roundalign_probe=7)
+            h = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(BF16)
+            model.model.layers[0](h, position_embeddings=model.model.rotary_emb(h, torch.arange(5).view(1, 5)))
         return list(calls)
 
     want = recorded(random_qwen(arch))
     got = recorded(apply_alignment(random_qwen(arch), "full", "vllm-compiled"))
-    assert len(want) == 2 and want[0]["dropout"] == (0.25 if training else 0.0) and want[0]["sliding_window"] == 5
+    assert len(want) == 3 and want[0]["dropout"] == (0.25 if training else 0.0) and want[0]["sliding_window"] == 5
+    assert want[0]["roundalign_probe"] == 7 and want[2]["use_cache"] is False and want[2]["position_ids"] is None
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_an_aligned_model_decodes_through_transformers_kv_cache(arch):
+    """The aligned decoder layer hands its attention the cache (``past_key_values``), so cached decoding
+    (``generate``, or a trainer's eval loop) sees every earlier token: the cache grows by one position per step,
+    and each step's logits are the full forward's at that position (bf16 matmuls over other shapes apart). The
+    engine tests decode through the emulated engine's own cache, not transformers', so a layer that dropped the
+    cache survived them."""
+    model = apply_alignment(random_qwen(arch), "full", "vllm-compiled").eval()
+    ids = (torch.arange(12).view(1, 12) * 7) % 100
+    with torch.no_grad():
+        full = model(input_ids=ids).logits.float()
+        cache = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        assert cache.get_seq_length() == 8
+        for t in range(8, 12):
+            step = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1].float()
+            assert cache.get_seq_length() == t + 1 and cache.layers[0].keys.shape[-2] == t + 1
+            assert (step - full[0, t]).abs().max() <= 0.05 * full[0, t].abs().max()
 
 
 def test_the_carrier_slot_is_empty_after_every_forward():
@@ -950,7 +1032,8 @@ def test_a_wrapped_submodule_is_refused_naming_its_class_and_what_to_do():
 def test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_baseline_removes_it():
     """apply_alignment records what it applied in the model's own copy of its config (what save_pretrained writes
     and load_model re-applies): exactly the variant, engine, kernels and any norm orders; a later apply rewrites it
-    in the same config object (a user's reference to model.config stays the model's), and baseline removes it."""
+    in the same config object (a user's reference to model.config stays the model's), and baseline removes it. A
+    record older than the kernels choice reads as eager kernels."""
     from roundalign.numerics.patch import recorded_alignment
 
     model = random_qwen("qwen3", layers=2, hidden=64)
@@ -966,6 +1049,9 @@ def test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_base
     assert recorded_alignment(cfg)[:3] == ("rope", "vllm-eager", "eager")
     apply_alignment(model, "baseline")
     assert model.config is cfg and "roundalign" not in cfg.to_dict() and recorded_alignment(cfg) is None
+    # a record written before the kernels choice existed (a4b0099) has no "kernels" key: those models ran eager
+    cfg.roundalign = {"variant": "full", "engine": "vllm-eager"}
+    assert recorded_alignment(cfg) == ("full", "vllm-eager", "eager")
 
 
 def test_a_model_whose_mlp_is_not_swiglu_is_refused_naming_its_activation():
