@@ -800,12 +800,15 @@ def test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order():
     w = (1 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16)
     want_a = R.rmsnorm_fused(x, w, 1e-6, sum_order=(16, 2), keep_fp32=True)  # the eager formula in that order
     want_b = R.rmsnorm_fused(x, w, 1e-6, sum_order=(8, 1), keep_fp32=True)
-    assert not torch.equal(want_a, want_b)  # the two orders sum differently on this data (fp32 output)
+    want_c = R.rmsnorm_fused(x, w, 1e-6, sum_order=(4, 2), keep_fp32=True)  # a key of n alone would be (16, 2)'s
+    assert not torch.equal(want_a, want_b) and not torch.equal(want_a, want_c)  # the orders differ on this data
     with torch.no_grad():
         first = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(16, 2), keep_fp32=True)
         other = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(8, 1), keep_fp32=True)
+        third = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(4, 2), keep_fp32=True)
         again = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(16, 2), keep_fp32=True)
-    assert torch.equal(first, want_a) and torch.equal(other, want_b) and torch.equal(again, want_a)
+    assert torch.equal(first, want_a) and torch.equal(other, want_b) and torch.equal(third, want_c)
+    assert torch.equal(again, want_a)
 
 
 def _inductor_vjp(formula, inputs, grads, **kwargs):
@@ -833,17 +836,17 @@ def test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp(regio
     rows, d = 24, 128
     x = (torch.randn(rows, d, generator=g) * 3).to(BF16)
     other = (torch.randn(rows, d, generator=g) * 2).to(BF16)
-    w = (1 + 0.1 * torch.randn(d, generator=g)).to(BF16)
+    w = 1 + 0.1 * torch.randn(d, generator=g)  # an fp32 weight: its gradient is fp32, where the norm's order shows
     dy = torch.randn(rows, d, generator=g).to(BF16)
     if region == "swiglu":
         formula, kernel, inputs, kw, needs = R.swiglu_fused, K.swiglu_fused, [x, other], {}, [True, False]
     elif region == "rmsnorm":
         formula, kernel, inputs = R.rmsnorm_fused, K.rmsnorm_fused, [x, w]
-        kw, needs = {"eps": 1e-6, "sum_order": (8, 2), "keep_fp32": True}, [True, True]
+        kw, needs = {"eps": 1e-6, "sum_order": (4, 1), "keep_fp32": True}, [True, True]
     else:
         name = {"add_fp32_sum": "add_rmsnorm_fp32_sum", "add_bf16_sum": "add_rmsnorm_bf16_sum"}[region]
         formula, kernel, inputs = getattr(R, name), getattr(K, name), [x, other, w]
-        kw, needs = {"eps": 1e-6, "sum_order": (8, 2)}, [True, False, True]
+        kw, needs = {"eps": 1e-6, "sum_order": (4, 1)}, [True, False, True]
     leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
     out = kernel(*leaves, **kw)
     first = out[0] if isinstance(out, tuple) else out  # a norm's second output (the residual sum) gets no gradient
@@ -854,6 +857,9 @@ def test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp(regio
     grads = [dy.to(first.dtype)] + [torch.zeros(o.shape, dtype=o.dtype) for o in outs[1:]]
     want = _inductor_vjp(formula, inputs, grads, **kw)
     assert len(want) == len(inputs)
+    if "sum_order" in kw:  # the order reaches the VJP: without it, other bits
+        unordered = _inductor_vjp(formula, inputs, grads, **{k: v for k, v in kw.items() if k != "sum_order"})
+        assert not all(torch.equal(a, b) for a, b, n in zip(want, unordered, needs) if n)
     eager_leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
     eager_out = formula(*eager_leaves, **kw)
     (eager_out[0] if isinstance(eager_out, tuple) else eager_out).backward(dy.to(first.dtype))

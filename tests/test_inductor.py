@@ -299,3 +299,31 @@ def test_find_output_code_can_keep_to_vllms_own_graphs(tmp_path):
     (d / "bb" / "regions.py").write_text("def call(args):\n    cpp_fused_rmsnorm_0(buf0)\n")  # no attention
     assert sorted(p.name for p in find_output_code(tmp_path)) == ["emulated.py", "real.py"]
     assert [p.name for p in find_output_code(tmp_path, vllm_only=True)] == ["real.py"]
+
+
+@pytest.mark.parametrize("rows,width", [(1, 4096), (7, 896)])
+def test_region_kernels_compile_to_the_same_bits_with_dynamic_or_static_shapes(rows, width):
+    """roundalign compiles its region kernels with ``dynamic=True`` (vLLM marks the token count dynamic, and one
+    graph then serves every batch), while the tests above compile vLLM's formulas with fixed shapes. On the CPU,
+    Inductor 2.13 rounds each region alike either way (``dynamic`` True, False or None): this pins that, and with it
+    why the mutation run's ``dynamic=`` mutants of regions._compiled_kernel/_compiled_vjp are equivalent."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=g) * 3).to(BF16)
+    y = torch.randn(rows, width, generator=g).to(BF16)
+    w = torch.rand(width, generator=g) + 0.5  # fp32 weight: fp32 outputs, where a reduction's rounding shows
+    c = torch.rand(rows, width, generator=g).to(BF16)
+    cases = [(regions.rmsnorm_fused, (x, w), {"eps": EPS}),
+             (regions.add_rmsnorm_fp32_sum, (x, y, w), {"eps": EPS, "keep_fp32_sum": True}),
+             (regions.add_rmsnorm_bf16_sum, (x, y, w), {"eps": EPS}),
+             (regions.swiglu_fused, (x, y), {}),
+             (regions.rope_fused, (x, c, c.flip(-1)), {})]
+    for fn, args, kw in cases:
+        outs = []
+        for dynamic in (True, False, None):
+            torch._dynamo.reset()
+            with torch.no_grad():
+                out = torch.compile(lambda *a: fn(*a, **kw), backend="inductor", dynamic=dynamic)(*args)
+            outs.append(out if isinstance(out, tuple) else (out,))
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), fn.__name__
+    torch._dynamo.reset()
