@@ -238,19 +238,15 @@ class _RecomputeInBackward(torch.autograd.Function):
     def forward(ctx, reference, kernel, vjp, kwargs, *inputs):
         ctx.reference, ctx.vjp, ctx.kwargs = reference, vjp, kwargs
         ctx.save_for_backward(*inputs)
-        out = kernel(*inputs, **kwargs)
-        ctx.out_meta = [(o.shape, o.dtype) for o in (out if isinstance(out, tuple) else (out,))]
-        return out
+        return kernel(*inputs, **kwargs)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         inputs = ctx.saved_tensors
         needs = ctx.needs_input_grad[4:]
         create_graph = torch.is_grad_enabled()  # backward(create_graph=True): keep the graph to the real inputs
-        if ctx.vjp is not None and not create_graph:
-            grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=inputs[0].device)
-                     for g, (shape, dtype) in zip(grad_outputs, ctx.out_meta)]
-            got = ctx.vjp(tuple(inputs), tuple(grads), ctx.kwargs)
+        if ctx.vjp is not None and not create_graph:  # materialize_grads (on): an unused output's gradient is zeros
+            got = ctx.vjp(tuple(inputs), tuple(grad_outputs), ctx.kwargs)
             return (None, None, None, None, *(g if n else None for g, n in zip(got, needs)))
         if ctx.reference is swiglu_fused and not create_graph:
             grad_gate, grad_up = _swiglu_fused_backward(grad_outputs[0], *inputs)
