@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import tempfile
@@ -92,12 +93,17 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()
     env = environment_info()
+    kernels = env["cpu_kernels"]
+    load = os.getloadavg()[1]
     lines = [f"# roundalign torch.compile cost ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
              f"torch {env['versions']['torch']}, 1 torch thread)",
              f"forward+backward, hidden {args.hidden}, intermediate {args.hidden * 11 // 2}, {args.layers} layers, "
              f"batch 2 x {args.seq} tokens, bf16, sdpa, "
              f"fullgraph static-shape compiles, {args.rounds} interleaved rounds; ratio = median / median of "
              f"'{REFERENCE}'",
+             # the CPU decides the kernels and so the times: records before this line did not name it
+             f"CPU: {kernels['model']}, ATen {kernels['torch_capability']}, ISA {' '.join(kernels['isa'])}; "
+             f"{os.cpu_count()} CPUs, 5-min load average {load:.1f} at the start",
              f"{'arch':6} {'arm':33} {'median ms':>10} {'ratio':>7} {'ratio min..max over rounds':>28}"]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as tmp:

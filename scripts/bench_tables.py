@@ -166,7 +166,9 @@ def compile_cost(bench: Path) -> list[str]:
     cols = ["arch", "arm", "median ms", "ratio", "ratio min..max over rounds"]
     at = _find(lines, r"^arch\s+arm\s", name)
     rows = _columns(lines, at, cols, name, "2sp")
-    return [_source(name, f"`{lines[0].lstrip('# ')}`; {lines[1]}."), "", *_md(cols, rows, 2)]
+    # records since the CPU line was added name the CPU (the line above the table); older ones did not
+    cpu = f" {lines[at - 1]}." if lines[at - 1].startswith("CPU:") else " CPU not recorded."
+    return [_source(name, f"`{lines[0].lstrip('# ')}`; {lines[1]}.{cpu}"), "", *_md(cols, rows, 2)]
 
 
 def memory(bench: Path) -> list[str]:
