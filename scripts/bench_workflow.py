@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from roundalign.envinfo import cpu_kernels
 from roundalign.io import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,9 +134,10 @@ def main(argv=None) -> int:
     p.add_argument("--figures-only", action="store_true", help="skip the dry runs")
     args = p.parse_args(argv)
     day = time.strftime("%Y-%m-%d")
+    cpu = cpu_kernels()["model"]  # the times depend on it: records before 2026-12-06 did not name it
     lines = []
     if not args.figures_only:
-        lines += [f"# Snakemake dry-run wall time ({day}; median of {args.repeats}; goal paper <= 5 s)",
+        lines += [f"# Snakemake dry-run wall time ({day}; {cpu}; median of {args.repeats}; goal paper <= 5 s)",
                   *dry_runs(args.repeats), ""]
     refs = [r for r in args.figures_refs.split(",") if r]
     load_before = os.getloadavg()[1]
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     # other jobs share the machine: their load (5-min average, runnable processes) says how far these times are
     # from an idle machine's
     lines += [f"# make figures from a fresh clone (git archive of each ref; {day}; {args.repeats} runs each, in "
-              f"turns; {os.cpu_count()} CPUs, shared: 5-min load average {load_before:.1f} before, "
+              f"turns; {os.cpu_count()} CPUs ({cpu}), shared: 5-min load average {load_before:.1f} before, "
               f"{os.getloadavg()[1]:.1f} after; goal <= 15 s)", *table]
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
