@@ -43,6 +43,7 @@ rule all:
         aggregate_targets(SWEEP.name),
         attribution_outputs(SWEEP.name),
         stress_figure_targets(SWEEP.name) if SWEEP.stress else [],
+        dose_probe_targets(SWEEP.name),
 
 
 onsuccess:

@@ -171,6 +171,62 @@ def test_full_stays_on_policy_through_training_while_baseline_does_not(sft_model
         assert b["mismatch/token/tokens_exact_frac"] == 0.0
 
 
+def test_under_a_dose_full_stays_at_the_floor_through_training_and_heldout_is_recorded(sft_model, tmp_path):
+    # a 3-bit dose at the regions of the eager engine: `full` rounds where and as the engine does (k3 at the fp32
+    # log-softmax floor on every step), `baseline` does not, and far above its undosed mismatch
+    kw = dict(steps=3, engine="vllm-eager", engine_dose_bits=3, heldout_prompts=8, heldout_samples=2)
+    runs = {v: run_train(cfg(sft_model, variant=v, **kw), tmp_path / v, **QUIET) for v in ("full", "baseline")}
+    assert all(r.status == "done" for r in runs.values())
+    plain = run_train(cfg(sft_model, steps=3, engine="vllm-eager", variant="baseline"), tmp_path / "plain", **QUIET)
+    assert plain.status == "done"
+    full, base, undosed = (metrics(tmp_path / n) for n in ("full", "baseline", "plain"))
+    for f, b, u in zip(full, base, undosed):
+        assert f["mismatch/token/k3"] <= 1e-10 < b["mismatch/token/k3"]
+        assert f["mismatch/token/logp_abs_diff_max"] < 1e-5
+    assert sum(b["mismatch/token/k3"] for b in base) > 5 * sum(u["mismatch/token/k3"] for u in undosed)
+    rec = {v: json.loads((tmp_path / v / "run.json").read_text()) for v in ("full", "baseline")}
+    # the same warm start, engine and draws: the same initial held-out reward for every variant
+    assert rec["full"]["heldout_initial"] == rec["baseline"]["heldout_initial"]
+    for r in rec.values():
+        h0, h1 = r["heldout_initial"], r["heldout_final"]
+        assert h0["prompts"] == 8 and h0["samples_per_prompt"] == 2
+        assert 0 <= h0["ci_low"] <= h0["reward"] <= h0["ci_high"] <= 1 and 0 <= h1["reward"] <= 1
+    assert json.loads((tmp_path / "plain" / "run.json").read_text())["heldout_initial"] is None
+
+
+def test_heldout_evaluation_equals_a_hand_count(sft_model):
+    # the record's reward is the mean over problems of each problem's mean reward over its engine samples, scored
+    # by the task's reward; recomputed here from the engine's own samples, decoded and graded by hand
+    from roundalign.engine import Engine
+    from roundalign.models.load import load_model, load_tokenizer
+    from roundalign.tasks.arith import arith_reward
+    from roundalign.training.heldout import HELDOUT_SEED, evaluate_heldout, heldout_problems
+    from roundalign.training.train import _dataset
+
+    c = cfg(sft_model, engine="vllm-eager", heldout_prompts=6, heldout_samples=3)
+    tok = load_tokenizer(sft_model)
+    eng = Engine(load_model(sft_model), engine="vllm-eager")
+    got = evaluate_heldout(eng, tok, c, arith_reward)
+    probs = heldout_problems(c)
+    train = {p["prompt"] for p in _dataset(c, tok)[0]}
+    assert len({p["prompt"] for p in probs}) == 6 and not train & {p["prompt"] for p in probs}
+    ids = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in probs for _ in range(3)]
+    samples = eng.generate(ids, max_new_tokens=c.max_completion_length, seed=HELDOUT_SEED,
+                           eos_token_id=tok.eos_token_id)
+    per = []
+    for i, p in enumerate(probs):
+        hits = 0
+        for s in samples[3 * i:3 * i + 3]:
+            t = tok.decode(s.completion_ids, skip_special_tokens=True).lstrip()
+            j = 1 if t.startswith("-") else 0
+            while j < len(t) and t[j].isdigit():
+                j += 1
+            hits += t[:j] == p["answer"]  # the leading integer is the answer
+        per.append(hits / 3)
+    assert got["reward"] == pytest.approx(sum(per) / len(per), abs=1e-12)
+    assert got["ci_low"] <= got["reward"] <= got["ci_high"]
+
+
 @pytest.mark.parametrize("variant,key", [("tis", "is/clipped_frac"), ("mis", "is/masked_frac")])
 def test_importance_sampling_remedies_use_trls_correction(sft_model, tmp_path, variant, key):
     res = run_train(cfg(sft_model, steps=2, variant=variant), tmp_path / variant, **QUIET)

@@ -159,6 +159,10 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--kv-cache-dtype", default="auto",
                     help="emulated engine's KV-cache storage, vLLM's names: auto (model dtype, default), fp8_e4m3, "
                          "fp8_e5m2 (quantized with scale 1.0)")
+    pr.add_argument("--dose-bits", type=int, default=7,
+                    help="emulated eager engines: a rounding dose at the aligned regions, the mantissa bits they keep "
+                         "(7 = bf16, no dose; roundalign.numerics.dose); each variant rounds the regions it aligns "
+                         "the same way")
     pr.add_argument("--variants", type=_csv_list, default=VARIANTS,
                     help=f"comma-separated trainer variants (default all: {','.join(VARIANTS)})")
     pr.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
@@ -270,6 +274,11 @@ def make_parser() -> argparse.ArgumentParser:
     ag.add_argument("--stress-gap-metric", default="mismatch/token/logp_abs_diff_mean",
                     help="stress: metric of the share of gap (default mismatch/token/logp_abs_diff_mean)")
 
+    dp = sub.add_parser("dose-probe", help="the dose experiment's probe table (dose, variant, metric, value) from its "
+                                           "probes, one per dose")
+    dp.add_argument("--probes", nargs="+", required=True, help="probe CSVs (each with its .json beside it)")
+    dp.add_argument("--out", required=True, help="output CSV (results/<sweep>/probe/dose_probe.csv by convention)")
+
     _add_figure_verbs(sub)
 
     fm = sub.add_parser("fetch-model", help="download a hub model snapshot (on a host with network)")
@@ -312,7 +321,8 @@ def run_probe_cli(args) -> None:
                       variants=args.variants, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       seed=args.seed, temperature=args.temperature, context_tokens=args.context_tokens,
                       splitk_chunk=args.splitk_chunk, norm_reduction=args.norm_reduction,
-                      kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, trainer_attn=args.trainer_attn)
+                      kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, trainer_attn=args.trainer_attn,
+                      dose_bits=args.dose_bits)
     _setup_runtime()
     if args.backend == "vllm":
         from roundalign.numerics.plan import CPU_ENGINES
@@ -393,6 +403,16 @@ def run_aggregate(args) -> None:
 
         write_stress_tables(args.results, args.out, args.stress_dose_key, floor=args.stress_floor,
                             gap_metric=args.stress_gap_metric, sweep=args.sweep)
+        if args.stress_dose_key == "engine_dose_bits":  # the dose experiment: its outcome per run (analysis/dose.py)
+            from roundalign.analysis.dose import write_dose_tables
+
+            write_dose_tables(args.out)
+
+
+def run_dose_probe(args) -> None:
+    from roundalign.analysis.dose import write_dose_probe
+
+    print(f"[dose-probe] wrote {write_dose_probe(args.probes, args.out)}")
 
 
 def run_plot_stress(args) -> None:
@@ -413,7 +433,7 @@ def run_plot(args) -> None:
 
 VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "attribute": run_attribute_cli, "train": run_train_cli,
          "pretrain-tiny": run_pretrain_tiny, "aggregate": run_aggregate, "plot": run_plot,
-         "plot-stress": run_plot_stress,
+         "plot-stress": run_plot_stress, "dose-probe": run_dose_probe,
          "fetch-model": run_fetch_model, "prepare-data": run_prepare_data}
 
 

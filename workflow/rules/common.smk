@@ -77,10 +77,19 @@ def attribution_outputs(sweep):
     )
 
 
+# the dose experiment (configs/dose.yaml): a stress sweep whose dose is the engine's rounding at the regions
+IS_DOSE = bool(SWEEP.stress) and SWEEP.stress["dose_key"] == "engine_dose_bits"
+
+
+def dose_probe_targets(sweep):
+    return [f"results/{sweep}/probe/dose_probe.csv"] if IS_DOSE else []
+
+
 # a stress sweep (config key stress:) adds its own tables and figures, an attribution its table and figure
 SWEEP_TABLES = (
     AGGREGATE_TABLES
     + (STRESS_TABLES if SWEEP.stress else [])
+    + (DOSE_TABLES if IS_DOSE else [])
     + (ATTRIBUTION_TABLES if SWEEP.attribution else [])
 )
 

@@ -36,3 +36,19 @@ rule probe:
         "--max-new-tokens {params.p[max_new_tokens]} --context-tokens {params.p[context_tokens]} "
         "--backend {params.p[backend]} --gpu-memory-utilization {params.p[gpu_memory_utilization]} "
         "{params.engine_args} --seed 0 --out {output.table} > {log} 2>&1"
+
+
+# The dose experiment's probe table: every dose's probe at the warm start's weights, in one table (committed before
+# any training: docs/prereg-dose.md).
+rule dose_probe:
+    input:
+        lambda wc: probe_outputs(wc.sweep),
+    output:
+        "results/{sweep}/probe/dose_probe.csv",
+    log:
+        "logs/{sweep}/dose_probe.log",
+    localrule: True
+    conda:
+        CONDA_ENV
+    shell:
+        "python -m roundalign dose-probe --probes {input} --out {output} > {log} 2>&1"

@@ -12,7 +12,9 @@ Reads, under a results root ``R`` (e.g. ``results/smoke``)::
 and writes, atomically, into ``out_dir`` (``R/aggregate`` by convention)::
 
     runs.csv          sweep,model,variant,seed,step,metric,value,status      one row per (run, step, metric)
-    run_status.csv    sweep,model,variant,seed,status,last_step,...          one row per run
+    run_status.csv    sweep,model,variant,seed,status,last_step,...          one row per run; its heldout_initial and
+                      heldout_final columns (with _ci_low/_ci_high) are the policy's held-out reward before step 1
+                      and after the last (roundalign.training.heldout), empty where the run did not measure it
     probe.csv         sweep,model,engine,variant,level,metric,value
     probe_layers.csv  sweep,model,engine,variant,layer,metric,value
     attribution.csv   sweep,model,engine,step,source,mode,metric,value,ci_low,ci_high   (only where R/attribution/
@@ -55,7 +57,8 @@ from roundalign.io import atomic_write_csv
 RUNS_COLUMNS = ("sweep", "model", "variant", "seed", "step", "metric", "value", "status")
 RUN_STATUS_COLUMNS = ("sweep", "model", "variant", "seed", "status", "last_step", "collapse_step",
                       "collapse_reason", "reward_collapse_step", "wall_time_s", "git_sha", "torch_version",
-                      "transformers_version", "trl_version", "gpu_name", "cpu_kernels", "attn", "policy")
+                      "transformers_version", "trl_version", "gpu_name", "cpu_kernels", "attn", "policy",
+                      *(f"heldout_{when}{part}" for when in ("initial", "final") for part in ("", "_ci_low", "_ci_high")))
 PROBE_COLUMNS = ("sweep", "model", "engine", "variant", "level", "metric", "value")
 PROBE_LAYERS_COLUMNS = ("sweep", "model", "engine", "variant", "layer", "metric", "value")
 ATTRIBUTION_COLUMNS = ("sweep", "model", "engine", "step", "source", "mode", "metric", "value", "ci_low", "ci_high")
@@ -218,6 +221,11 @@ def _read_run(run_dir: Path, sweep: str, model: str, variant: str, seed: int, wa
         # that arms differing only in attention can be paired
         "attn": (rec.get("config") or {}).get("attn"),
         "policy": _policy_name((rec.get("config") or {}).get("model") or rec.get("model")),
+        # learning against the initial policy: held-out reward before step 1 and after the last (training/heldout.py);
+        # empty for a run without the evaluation (or, for heldout_final, one that did not finish)
+        **{f"heldout_{when}{part}": (rec.get(f"heldout_{when}") or {}).get(key)
+           for when in ("initial", "final") for part, key in (("", "reward"), ("_ci_low", "ci_low"),
+                                                              ("_ci_high", "ci_high"))},
     }
     rows = [(sweep, model, variant, seed, r["step"], k, math.nan if v is None else float(v), status)
             for r in records for k, v in r.items() if k != "step"]

@@ -65,10 +65,10 @@ class Engine:
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
                  splitk_chunk: int = 64, norm_reduction: str = "opaque", attn_decode: str | None = None,
-                 lm_head_fp32: bool = False, kv_cache_dtype: str = "auto"):
+                 lm_head_fp32: bool = False, kv_cache_dtype: str = "auto", dose_bits: int = 7):
         self.model = EngineModel(model, engine=engine, attn=attn, gemm=gemm, splitk_chunk=splitk_chunk,
                                  norm_reduction=norm_reduction, attn_decode=attn_decode, lm_head_fp32=lm_head_fp32,
-                                 kv_cache_dtype=kv_cache_dtype)
+                                 kv_cache_dtype=kv_cache_dtype, dose_bits=dose_bits)
 
     def sync_weights(self, model: nn.Module) -> None:
         self.model.sync_weights(model)

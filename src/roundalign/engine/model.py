@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from roundalign.numerics import regions, vllm_native
+from roundalign.numerics import mantissa as dose, regions, vllm_native
 from roundalign.numerics.patch import decoder_trunk
 from roundalign.numerics.plan import RoundingPlan, engine_plan, plan_for
 from roundalign.engine import compiled
@@ -126,11 +126,15 @@ class EngineModel:
         attn_decode: attention kernel of decode steps; None = ``attn``.
         lm_head_fp32: logits as an fp32 GEMM (fp32 hidden state, fp32 head weight), returned in fp32.
         kv_cache_dtype: the KV cache's storage, vLLM's names (``KV_CACHE_DTYPES``); ``new_cache()`` makes one.
+        dose_bits: a rounding dose at the aligned regions (``numerics.dose``): every RMSNorm output, the RoPE'd q/k
+            and the SwiGLU output rounded to this many mantissa bits; 7 (bf16) is none. Eager engines only.
     """
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
                  splitk_chunk: int = 64, norm_reduction: str | None = None, regions: str = "full",
-                 attn_decode: str | None = None, lm_head_fp32: bool = False, kv_cache_dtype: str = "auto"):
+                 attn_decode: str | None = None, lm_head_fp32: bool = False, kv_cache_dtype: str = "auto",
+                 dose_bits: int = dose.NO_DOSE):
+        self.dose_bits = dose.check_dose_bits(dose_bits, engine)
         self.kv_cache_dtype = check_choice("KV-cache dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self.plan: RoundingPlan = engine_plan(engine) if regions == "full" else plan_for(engine, regions)
         self.engine = engine
@@ -213,7 +217,14 @@ class EngineModel:
     # RMSNorm round once (fp32 inside), ``fused_add_rms_norm`` reads the rounded bf16 sum, ``silu_and_mul``
     # rounds silu before the multiply. Single-region plans of the eager engine take HF's style elsewhere.
 
+    def _dose(self, x: Tensor) -> Tensor:
+        return dose.round_mantissa(x, self.dose_bits)
+
     def _norm(self, x: Tensor, w: Tensor, residual: Tensor | None):
+        out, residual = self._norm_undosed(x, w, residual)
+        return self._dose(out), residual
+
+    def _norm_undosed(self, x: Tensor, w: Tensor, residual: Tensor | None):
         if self.plan.residual == "fp32-read":
             # ``vllm-cpu-eager``: vLLM's native RMSNorm formulas, run uncompiled (vllm/ir/ops/layernorm.py)
             if residual is None:
@@ -230,9 +241,10 @@ class EngineModel:
     def _qk(self, x: Tensor, norm_w: Tensor | None, cos: Tensor, sin: Tensor) -> Tensor:
         """(B, T, H, D) projection output -> (B, H, T, D) after [q/k norm and] RoPE."""
         if norm_w is not None:
-            x = (regions.rmsnorm_fused if self.plan.norm == "fused" else regions.rmsnorm_hf)(x, norm_w, self.eps)
+            x = self._dose((regions.rmsnorm_fused if self.plan.norm == "fused" else regions.rmsnorm_hf)(x, norm_w,
+                                                                                                        self.eps))
         rope = {"fused": regions.rope_fused, "fused-rz": regions.rope_fused_rz, "hf": regions.rope_hf}[self.plan.rope]
-        return rope(x.transpose(1, 2), cos, sin)
+        return self._dose(rope(x.transpose(1, 2), cos, sin))
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
         """q: (B, H, Tq, D); k, v: (B, H_kv, Tk, D) -> (B, Tq, H*D)."""
@@ -308,7 +320,7 @@ class EngineModel:
             x, residual = self._norm(x, L.ln2, residual)
             gate, up = self._linear(x, L.w_gate), self._linear(x, L.w_up)
             act = regions.swiglu_fused(gate, up) if self.plan.swiglu == "fused" else regions.swiglu_hf(gate, up)
-            h = self._linear(act, L.w_down)
+            h = self._linear(self._dose(act), L.w_down)
             if layer_states is not None:
                 layer_states.append((residual.float() + h.float()).to(self.dtype))
         x, _ = self._norm(h, self.final_norm, residual)

@@ -75,6 +75,7 @@ import sys
 import torch
 from torch import nn
 
+from roundalign.numerics import mantissa
 from roundalign.numerics import regions
 from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, plan_for
 
@@ -85,6 +86,7 @@ _PLAN_ATTR = "_roundalign_plan"  # RoundingPlan on each patched submodule
 _KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace on each patched submodule
 _OWN_CONFIG_ATTR = "_roundalign_own_config"  # the config copy apply_alignment made for this model
 _SUM_ORDER_ATTR = "_roundalign_sum_order"  # (vec, n) on an aligned RMSNorm: its engine kernel's reduction order
+_DOSE_ATTR = mantissa.ROPE_DOSE_ATTR  # bits of a rounding dose on an aligned attention's RoPE output (dose.apply_dose)
 
 
 _warned_compile_options = False
@@ -276,7 +278,10 @@ def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.
             x = norm(x, _roundalign_fp32=True) if getattr(norm, "_roundalign_keep_fp32", False) else norm(x)
         # the attention is aligned only when the plan fuses RoPE (apply_alignment leaves it stock for "hf")
         rope = {"fused": K.rope_fused, "fused-rz": K.rope_fused_rz}[plan.rope]
-        out.append(rope(x.transpose(1, 2), cos, sin))
+        x = rope(x.transpose(1, 2), cos, sin)
+        if (bits := getattr(attn, _DOSE_ATTR, None)) is not None:  # a dosed engine's coarser RoPE output (dose.py)
+            x = mantissa.round_mantissa_st(x, bits)
+        out.append(x)
     return out[0], out[1]
 
 
@@ -365,7 +370,7 @@ def _install(module: nn.Module, plan: RoundingPlan, kernels: str, **extra) -> No
 
 def _uninstall(module: nn.Module) -> None:
     module.__class__ = _stock_class(module)
-    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32", SLOT_ATTR, _SUM_ORDER_ATTR):
+    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32", SLOT_ATTR, _SUM_ORDER_ATTR, _DOSE_ATTR):
         module.__dict__.pop(attr, None)
 
 
@@ -445,7 +450,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             modes (``regions.sum_sq_in_order``). None: each norm reduces as its own kernel does.
 
     Re-applying replaces the previous alignment (applying the same variant twice is the same as
-    once). Only this instance changes; the transformers classes are not touched. The alignment is
+    once) and removes a rounding dose (``numerics.dose.apply_dose``: apply it again after). Only this instance changes; the transformers classes are not touched. The alignment is
     recorded in ``model.config.roundalign`` (removed again by ``baseline``).
     """
     check_variant(variant)
@@ -457,6 +462,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     if act != "silu":
         raise ValueError(f"roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act={act!r}")
     plan = plan_for(engine, variant)
+    mantissa.clear_dose(model)  # a dose belongs to the alignment it was applied on (dose.apply_dose)
     slot = {"out": None, "lo": None}  # the carrier of the residual sum's low part from a layer to the next
 
     for layer in trunk.layers:

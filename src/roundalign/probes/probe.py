@@ -31,6 +31,7 @@ from roundalign.engine.choices import ENGINE_ATTN_IMPLS, KV_CACHE_DTYPES, NORM_R
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
 from roundalign.numerics import apply_alignment
+from roundalign.numerics.dose import apply_dose, check_dose_bits
 from roundalign.numerics.plan import VARIANTS, check_engine, check_variant
 
 
@@ -59,6 +60,8 @@ class ProbeConfig:
             kernel) or "inductor" (Inductor reduces it itself, in its own summation order).
         kv_cache_dtype: the emulated engine's KV-cache storage (vLLM's names): "auto", "fp8_e4m3", "fp8_e5m2".
         dtype: model dtype: "bf16", "fp16" or "fp32".
+        dose_bits: a rounding dose at the aligned regions of an eager engine (``numerics.dose``; 7 = none): the engine
+            rounds them to this many mantissa bits, each variant the regions it aligns.
     """
 
     model: str
@@ -76,6 +79,7 @@ class ProbeConfig:
     kv_cache_dtype: str = "auto"
     dtype: str = "bf16"
     trainer_attn: str | None = None
+    dose_bits: int = 7
 
     def __post_init__(self):
         check_engine(self.engine)
@@ -85,6 +89,7 @@ class ProbeConfig:
         check_choice("engine GEMM", self.engine_gemm, ENGINE_GEMMS)
         check_choice("engine norm reduction", self.norm_reduction, NORM_REDUCTIONS)
         check_choice("KV-cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_dose_bits(self.dose_bits, self.engine)
         if not self.variants:
             raise ValueError("give at least one variant")
         for v in self.variants:
@@ -180,6 +185,7 @@ def compare_variants(model, samples, cfg: ProbeConfig, label: str, engine_label:
         t1 = time.perf_counter()
         apply_alignment(model, variant, cfg.engine,
                         norm_sum_orders=norm_sum_orders if variant in ("norm", "full") else None)
+        apply_dose(model, cfg.dose_bits, variant)
         logps, ents, per_layer = [], [], [[] for _ in model.model.layers]
         for s in samples:
             with torch.device(device):  # trainer_logprobs builds its id tensors without a device
@@ -227,13 +233,13 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)  # vllm_cpu: registered and switched to there
     label = model_label(cfg.model)
     engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
-                    norm_reduction=cfg.norm_reduction, kv_cache_dtype=cfg.kv_cache_dtype)
+                    norm_reduction=cfg.norm_reduction, kv_cache_dtype=cfg.kv_cache_dtype, dose_bits=cfg.dose_bits)
     prompts = _prompts(tokenizer, cfg)
     samples = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=cfg.seed, eos_token_id=tokenizer.eos_token_id, record_layer_states=True)
     n_tok = sum(len(s.completion_ids) for s in samples)
     log(f"[probe] {label}: engine {cfg.engine} (attn={cfg.attn}, gemm={cfg.engine_gemm}, norm reduction={cfg.norm_reduction}, "
-        f"kv cache={cfg.kv_cache_dtype}) sampled {len(samples)} "
+        f"kv cache={cfg.kv_cache_dtype}, dose bits={cfg.dose_bits}) sampled {len(samples)} "
         f"completions, {n_tok} tokens, prompt length {min(map(len, prompts))}-{max(map(len, prompts))} "
         f"({time.perf_counter() - t0:.1f}s)")
     rows, layer_rows = compare_variants(model, samples, cfg, label, cfg.engine, log)

@@ -211,6 +211,9 @@ def run_probe_real(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda
     if cfg.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype={cfg.kv_cache_dtype!r}: an emulated-engine option (--backend emulated); "
                          "the vllm backend probes with vLLM's default KV cache (auto)")
+    if cfg.dose_bits != 7:
+        raise ValueError(f"dose_bits={cfg.dose_bits}: the rounding dose is an emulated-engine option (--backend "
+                         "emulated); the real engine rounds as vLLM does (docs/results-dose.md says why)")
     if not 0 < gpu_memory_utilization < 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
     device = preflight(cfg, device, log)

@@ -112,6 +112,11 @@ class TrainConfig:
         help="Emulated engine only: KV-cache storage, vLLM's names: "
              f"{_one_of(KV_CACHE_DTYPES, {'auto': 'model dtype'}, last=', ')}; the fp8 formats store K/V quantized, "
              "with scale 1.0.")
+    engine_dose_bits: int = _setting(
+        7, help="Emulated eager engines only (vllm-eager, vllm-cpu-eager): a rounding dose at the aligned regions "
+                "(roundalign.numerics.dose): the engine rounds every RMSNorm output, the RoPE'd q/k and the SwiGLU "
+                "output to this many mantissa bits (7 = bf16, no dose; 3 = fp8 e4m3's mantissa). The trainer rounds "
+                "the regions its variant aligns the same way, with a straight-through gradient.")
     splitk_chunk: int = _setting(64, help="K-chunk of the emulated split-K GEMM, in elements.")
     kernels: str = _setting(
         "eager", choices=KERNEL_MODES,
@@ -201,6 +206,11 @@ class TrainConfig:
     vllm_server_base_url: str | None = _setting(
         None, help="URL of the vLLM server in server mode (None: host/port defaults).")
     vllm_tensor_parallel_size: int = _setting(1, help="Tensor parallelism of colocated vLLM.")
+    heldout_prompts: int = _setting(
+        0, help="Held-out problems on which the policy's reward is measured by the engine before the first step and "
+                "after the last (run.json heldout_initial / heldout_final; roundalign.training.heldout); 0 = off. "
+                "Emulated engine, task digits or arith.")
+    heldout_samples: int = _setting(4, help="Engine samples per held-out problem (at the run's temperature).")
     mismatch_metrics: bool = _setting(
         True, help="Log the full mismatch set (costs one extra no-grad forward per step).")
 
@@ -219,9 +229,24 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
+        if isinstance(self.engine_dose_bits, bool) or not isinstance(self.engine_dose_bits, int) \
+                or not 1 <= self.engine_dose_bits <= 7:
+            raise ConfigError(f"engine_dose_bits={self.engine_dose_bits!r} must be an integer from 1 to 7 (7: no dose)")
+        if self.engine_dose_bits < 7 and (self.backend != "emulated" or self.engine not in ("vllm-eager",
+                                                                                              "vllm-cpu-eager")):
+            raise ConfigError(f"engine_dose_bits={self.engine_dose_bits}: the dose is emulated on the eager engines "
+                              f"only (backend emulated, engine vllm-eager or vllm-cpu-eager), not backend "
+                              f"{self.backend!r} with engine {self.engine!r}")
         for key in ("learning_rate", "temperature", "is_cap", "max_grad_norm"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be > 0")
+        if self.heldout_prompts < 0 or self.heldout_samples < 1:
+            raise ConfigError(f"heldout_prompts={self.heldout_prompts} must be >= 0 and heldout_samples="
+                              f"{self.heldout_samples} >= 1")
+        if self.heldout_prompts and (self.backend != "emulated" or self.task not in ("digits", "arith")):
+            raise ConfigError(f"heldout_prompts={self.heldout_prompts}: the held-out evaluation runs on the emulated "
+                              f"engine for the tasks digits and arith, not backend {self.backend!r} with task "
+                              f"{self.task!r}")
         if self.num_generations < 2:
             raise ConfigError(f"num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
         if self.grad_norm_collapse_factor != 0 and not self.grad_norm_collapse_factor > 1:

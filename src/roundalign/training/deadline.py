@@ -61,13 +61,15 @@ class RunState:
     ``stopped_by``: which of them asked first ("signal" or "deadline", recorded in run.json as ``preempted_by``);
     ``collapse``: the non-finite collapse that stopped the run, ``{"step", "reason"}``; ``sync``: the emulated
     engine's weight sync (``trl_bridge.bridge_emulated_engine``), whose count a checkpoint records;
-    ``resume_state``: the ``roundalign_state.json`` of the checkpoint the run resumes from."""
+    ``resume_state``: the ``roundalign_state.json`` of the checkpoint the run resumes from; ``heldout``: the policy's
+    held-out evaluation (``training/heldout.py``), None when the run has none."""
 
     stop_requested: bool = False
     stopped_by: str | None = None
     collapse: dict | None = None
     sync: object | None = None
     resume_state: dict | None = None
+    heldout: object | None = None
 
     def request_stop(self, by: str) -> None:
         if not self.stop_requested:

@@ -156,7 +156,8 @@ class Sweep:
         probe then measures, at identical weights, the engine those runs sample from (a stress dose included)."""
         o = self.train_settings(model)
         return (f"--kv-cache-dtype {o['engine_kv_cache_dtype']} --splitk-chunk {o['splitk_chunk']} "
-                f"--norm-reduction {o['engine_norm_reduction']}")
+                f"--norm-reduction {o['engine_norm_reduction']}"
+                + (f" --dose-bits {o['engine_dose_bits']}" if o['engine_dose_bits'] != 7 else ""))
 
     @property
     def attribution(self) -> dict | None:

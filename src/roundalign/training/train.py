@@ -254,6 +254,8 @@ class RunFiles:
             "grad_norm_collapse": None, "collapse_event": None,
             "resumed_from": (previous or {}).get("resumed_from", []) + ([resumed_from] if resumed_from else []),
             "error": None,
+            # the warm start's held-out reward, measured once before step 1 (training/heldout.py)
+            "heldout_initial": (previous or {}).get("heldout_initial"), "heldout_final": None,
         }
         self.write()
 
@@ -491,6 +493,8 @@ def _finalize(trainer, cfg: TrainConfig, out_dir: Path, files: RunFiles, state) 
     status = "collapsed" if state.collapse else "preempted" if state.stop_requested else "done"
     if status == "done":
         save_final_policy(trainer, out_dir / "final")
+        if state.heldout is not None:
+            files.record["heldout_final"] = state.heldout()
     files.record["last_step"] = trainer.state.global_step
     files.record["collapse"] = state.collapse
     if status == "preempted":
@@ -549,6 +553,7 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
     from roundalign.envinfo import torch_threads
     from roundalign.models.load import load_model, load_tokenizer
     from roundalign.numerics import apply_alignment
+    from roundalign.numerics.dose import apply_dose
     from roundalign.training.callbacks import RunCallback
     from roundalign.training.deadline import make_deadline_callback
     from roundalign.training.engine_setup import after_trainer, before_trainer
@@ -573,8 +578,10 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
 
         engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
                         norm_reduction=cfg.engine_norm_reduction, attn_decode=cfg.engine_attn_decode,
-                        lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=cfg.engine_kv_cache_dtype)
+                        lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=cfg.engine_kv_cache_dtype,
+                        dose_bits=cfg.engine_dose_bits)
     apply_alignment(model, cfg.alignment, cfg.engine, kernels=cfg.kernels)
+    apply_dose(model, cfg.engine_dose_bits, cfg.alignment)  # the regions it aligns round as the dosed engine's
     deadline = make_deadline_callback(state, log=log)  # checkpoint before the job's time limit (None: no limit)
     with before_trainer(cfg, log):
         trainer = RoundalignGRPOTrainer(
@@ -591,10 +598,23 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
         # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
         # KL would measure the alignment itself (4e-4 nats at step 1 on a tiny model before this line)
         apply_alignment(trainer.ref_model, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
+        apply_dose(trainer.ref_model, cfg.engine_dose_bits, cfg.alignment)
     trainer.log_mismatch = cfg.mismatch_metrics
     if cfg.use_is_correction:
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
     if engine is not None:
         state.sync = bridge_emulated_engine(trainer, engine, model)
+    if cfg.heldout_prompts:
+        from roundalign.training.heldout import evaluate_heldout
+
+        def heldout():
+            engine.sync_weights(model)  # the policy as it is now, sampled by the run's engine
+            return evaluate_heldout(engine, tokenizer, cfg, reward_fn)
+
+        state.heldout = heldout
+        if files.record.get("heldout_initial") is None:
+            files.record["heldout_initial"] = heldout()
+            log(f"[train] held-out reward of the initial policy: {files.record['heldout_initial']['reward']:.4f}")
+            files.write()
     torch.set_num_threads(torch_threads())
     return trainer
