@@ -28,7 +28,7 @@ export OMP_NUM_THREADS ?= 1
 # Snakemake's shell rules run `python -m roundalign` from PATH
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install vllm-env test demo figures report bench clean slurm-up slurm-down mutation
+.PHONY: install vllm-env test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -116,6 +116,21 @@ NPROC   := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null 
 figures: $(STAMP)
 	@test -n "$(FIG_AGG)" || { echo "make figures: no results/<sweep>/aggregate/runs.csv: nothing to plot (run a sweep first)" >&2; exit 2; }
 	$(BIN)/python -m roundalign plot --aggregate $(FIG_AGG) --out $(patsubst results/%/aggregate,figures/%,$(FIG_AGG)) --stress --jobs $(NPROC)
+
+# The dose experiment (configs/dose.yaml, docs/prereg-dose.md) in chunks of ~40 min: each run of `make dose-chunk
+# CHUNK=k` (k = 0..3) unpacks the committed chunks, trains chunk k's 40 runs and packs them into
+# results/dose/chunks/ to commit; `make dose` aggregates every committed chunk and draws the figures. No mtime
+# trigger: a fresh clone's rebuilt warm start would otherwise retrain every unpacked run (scripts/dose_chunks.py).
+DOSE_SMK = $(BIN)/snakemake --cores 2 --configfile configs/dose.yaml --rerun-triggers code input params software-env
+dose-chunk: $(STAMP)
+	@test -n "$(CHUNK)" || { echo "make dose-chunk: name the chunk, e.g. make dose-chunk CHUNK=0" >&2; exit 2; }
+	$(BIN)/python scripts/dose_chunks.py restore
+	$(DOSE_SMK) --keep-going results/dose/probe/dose_probe.csv $$($(BIN)/python scripts/dose_chunks.py targets $(CHUNK))
+	$(BIN)/python scripts/dose_chunks.py pack $(CHUNK)
+
+dose: $(STAMP)
+	$(BIN)/python scripts/dose_chunks.py restore
+	$(DOSE_SMK)
 
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html

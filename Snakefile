@@ -42,7 +42,7 @@ rule all:
         figure_targets(SWEEP.name, SWEEP.attribution is not None),
         aggregate_targets(SWEEP.name),
         attribution_outputs(SWEEP.name),
-        stress_figure_targets(SWEEP.name) if SWEEP.stress else [],
+        stress_figure_targets(SWEEP.name, IS_DOSE) if SWEEP.stress else [],
         dose_probe_targets(SWEEP.name),
 
 

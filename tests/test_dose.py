@@ -189,3 +189,61 @@ def test_bad_doses_are_refused_by_name():
     apply_alignment(model, "baseline")
     assert apply_dose(model, 3, "baseline") is model and dose_of(model) == 7  # baseline rounds nothing
     remove_dose(model)
+
+
+# -- the experiment's tables (analysis/dose.py) -------------------------------------------------------------------
+
+def test_outcome_and_gain_tables_against_a_hand_count():
+    import numpy as np
+    import pandas as pd
+
+    from roundalign.analysis.dose import gain_table, outcome_table
+
+    keys = [("m", "baseline", 0), ("m", "baseline", 1), ("m", "full", 0), ("m", "full", 1),
+            ("m2", "baseline", 0), ("m2", "full", 0), ("m2", "full", 1)]
+    status = pd.DataFrame([{"model": m, "variant": v, "seed": s, "status": "done",
+                            "heldout_initial": 0.3 if m == "m" else 0.2,
+                            "heldout_final": [0.5, 0.7, 0.6, 0.8, 0.25, 0.6, np.nan][i]} for i, (m, v, s) in
+                           enumerate(keys)])
+    stress = pd.DataFrame([{"model": m, "variant": v, "seed": s, "dose": 7 if m == "m" else 2,
+                            "event": int(i == 4), "event_kind": "reward" if i == 4 else "",
+                            "event_step": 40 if i == 4 else np.nan} for i, (m, v, s) in enumerate(keys)])
+    out = outcome_table(status, stress)
+    assert list(out["dose"]) == [7, 7, 7, 7, 2, 2, 2]
+    row = out[(out["dose"] == 2) & (out["variant"] == "baseline")].iloc[0]
+    assert row["gain"] == pytest.approx(0.05) and row["collapsed"] and row["collapse_step"] == 40
+    assert out["gain"].isna().sum() == 1  # a run without a final evaluation has no gain
+    g = gain_table(out, num_resamples=4000).set_index(["dose", "variant"])
+    assert g.loc[(7, "baseline"), "gain_mean"] == pytest.approx(0.3)  # (0.2 + 0.4) / 2
+    assert g.loc[(7, "full"), "diff_vs_baseline"] == pytest.approx(0.4 - 0.3)  # full: (0.3 + 0.5) / 2
+    assert g.loc[(2, "full"), "num_runs"] == 2 and g.loc[(2, "full"), "gain_mean"] == pytest.approx(0.4)
+    assert g.loc[(2, "baseline"), "collapses"] == 1 and g.loc[(2, "full"), "collapses"] == 0
+    # two seeds of gains {0.2, 0.4}: bootstrap means take only the values 0.2, 0.3, 0.4
+    assert g.loc[(7, "baseline"), "gain_ci_low"] == pytest.approx(0.2)
+    assert g.loc[(7, "baseline"), "gain_ci_high"] == pytest.approx(0.4)
+    assert np.isnan(g.loc[(7, "baseline"), "diff_vs_baseline"])
+
+
+def test_dose_probe_table_reads_each_probes_dose(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from roundalign.analysis.dose import dose_probe_table
+
+    paths = []
+    for bits, k3 in ((7, 1e-4), (3, 2e-2)):
+        p = tmp_path / f"p{bits}.csv"
+        pd.DataFrame([{"model": "x", "engine": "vllm-eager", "variant": v, "level": lvl, "metric": m, "value": val}
+                      for v, scale in (("baseline", 1.0), ("full", 0.0))
+                      for lvl in ("token", "seq")
+                      for m, val in (("mismatch_k3", k3 * scale), ("logp_abs_diff_mean", 0.1 * scale),
+                                     ("tokens_exact_frac", 1 - scale), ("chi2", 5.0))]).to_csv(p, index=False)
+        p.with_suffix(".json").write_text(json.dumps({"config": {"dose_bits": bits}}))
+        paths.append(p)
+    t = dose_probe_table(paths)
+    assert list(t.columns) == ["dose", "variant", "metric", "value"] and len(t) == 2 * 2 * 3
+    assert t[(t.dose == 3) & (t.variant == "baseline") & (t.metric == "k3")]["value"].item() == 2e-2
+    assert t[(t.dose == 7) & (t.variant == "full") & (t.metric == "tokens_exact_frac")]["value"].item() == 1.0
+    with pytest.raises(ValueError, match="one probe per dose"):
+        dose_probe_table(paths + paths[:1])

@@ -27,6 +27,10 @@ if not SWEEPS:
 STRESS_SWEEPS = [
     s for s in SWEEPS if Path(f"results/{s}/aggregate/stress_runs.csv").is_file()
 ]
+# the dose experiment's sweeps (dose_outcome.csv) also get its figure
+DOSE_SWEEPS = [
+    s for s in STRESS_SWEEPS if Path(f"results/{s}/aggregate/dose_outcome.csv").is_file()
+]
 # sweeps whose aggregate holds an attribution table (attribution: enabled) also get fig_attribution
 ATTRIBUTION_SWEEPS = [
     s for s in SWEEPS if Path(f"results/{s}/aggregate/attribution.csv").is_file()
@@ -37,7 +41,7 @@ rule all:
     default_target: True
     input:
         [figure_targets(s, s in ATTRIBUTION_SWEEPS) for s in SWEEPS],
-        [stress_figure_targets(s) for s in STRESS_SWEEPS],
+        [stress_figure_targets(s, s in DOSE_SWEEPS) for s in STRESS_SWEEPS],
 
 
 rule all_figures:
@@ -64,9 +68,13 @@ rule all_figures:
             )
             for s in ATTRIBUTION_SWEEPS
         ],
+        [
+            expand("results/{sweep}/aggregate/{table}.csv", sweep=s, table=DOSE_TABLES)
+            for s in DOSE_SWEEPS
+        ],
     output:
         [figure_targets(s, s in ATTRIBUTION_SWEEPS) for s in SWEEPS],
-        [stress_figure_targets(s) for s in STRESS_SWEEPS],
+        [stress_figure_targets(s, s in DOSE_SWEEPS) for s in STRESS_SWEEPS],
     log:
         "logs/figures.log",
     localrule: True

@@ -46,6 +46,11 @@ def _add_figure_verbs(sub) -> None:
     ps.add_argument("--out", required=True, help="figure directory")
     ps.add_argument("--formats", default="png,pdf", help="comma-separated formats (default png,pdf)")
 
+    pdz = sub.add_parser("plot-dose", help="the dose experiment's figure (dose_gain) from its dose_outcome.csv")
+    pdz.add_argument("--aggregate", required=True, help="aggregate directory holding dose_outcome.csv")
+    pdz.add_argument("--out", required=True, help="figure directory")
+    pdz.add_argument("--formats", default="png,pdf", help="comma-separated formats (default png,pdf)")
+
     pl = sub.add_parser("plot", help="paper figures and summary table from aggregate directories")
     pl.add_argument("--aggregate", required=True, nargs="+",
                     help="directory written by `roundalign aggregate`; several (one per sweep) are drawn in one "
@@ -67,7 +72,7 @@ def _add_figure_verbs(sub) -> None:
 
 # Verbs that only read tables and draw. They get a parser of their own: make_parser() names the choices of every
 # verb, and roundalign.models.tiny (ARCHS) imports torch, ~3 s of each figure process on 2 cores.
-FIGURE_VERBS = ("plot", "plot-stress")
+FIGURE_VERBS = ("plot", "plot-stress", "plot-dose")
 
 
 def make_figure_parser() -> argparse.ArgumentParser:
@@ -421,6 +426,12 @@ def run_plot_stress(args) -> None:
     make(args.aggregate, args.out, tuple(f for f in args.formats.split(",") if f))
 
 
+def run_plot_dose(args) -> None:
+    from roundalign.analysis.plots.dose import make
+
+    make(args.aggregate, args.out, tuple(f for f in args.formats.split(",") if f))
+
+
 def run_plot(args) -> None:
     from roundalign.analysis.plots import make_sweeps
 
@@ -433,7 +444,7 @@ def run_plot(args) -> None:
 
 VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "attribute": run_attribute_cli, "train": run_train_cli,
          "pretrain-tiny": run_pretrain_tiny, "aggregate": run_aggregate, "plot": run_plot,
-         "plot-stress": run_plot_stress, "dose-probe": run_dose_probe,
+         "plot-stress": run_plot_stress, "plot-dose": run_plot_dose, "dose-probe": run_dose_probe,
          "fetch-model": run_fetch_model, "prepare-data": run_prepare_data}
 
 

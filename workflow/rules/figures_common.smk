@@ -40,10 +40,18 @@ def figure_targets(sweep, attribution=False):
     ) + expand("figures/{sweep}/summary.{ext}", sweep=sweep, ext=["csv", "md"])
 
 
-def stress_figure_targets(sweep):
-    return expand(
-        "figures/{sweep}/{stem}.{ext}",
-        sweep=sweep,
-        stem=STRESS_FIGURE_STEMS,
-        ext=["png", "pdf"],
-    ) + expand("figures/{sweep}/stress_summary.{ext}", sweep=sweep, ext=["csv", "md"])
+# the dose experiment's own figure (analysis/plots/dose.py), drawn with the stress figures of a sweep whose aggregate
+# holds dose_outcome.csv
+DOSE_FIGURE_STEMS = ["dose_gain"]
+
+
+def stress_figure_targets(sweep, dose=False):
+    return (
+        expand(
+            "figures/{sweep}/{stem}.{ext}",
+            sweep=sweep,
+            stem=STRESS_FIGURE_STEMS + (DOSE_FIGURE_STEMS if dose else []),
+            ext=["png", "pdf"],
+        )
+        + expand("figures/{sweep}/stress_summary.{ext}", sweep=sweep, ext=["csv", "md"])
+    )

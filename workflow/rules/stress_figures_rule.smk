@@ -24,3 +24,19 @@ rule stress_figures:
     shell:
         "python -m roundalign plot-stress --aggregate results/{wildcards.sweep}/aggregate "
         "--out figures/{wildcards.sweep} > {log} 2>&1"
+
+
+# The dose experiment's own figure (configs/dose.yaml; analysis/plots/dose.py), from its outcome table.
+rule dose_figures:
+    input:
+        "results/{sweep}/aggregate/dose_outcome.csv",
+    output:
+        expand("figures/{{sweep}}/{stem}.{ext}", stem=DOSE_FIGURE_STEMS, ext=["png", "pdf"]),
+    log:
+        "logs/{sweep}/dose_figures.log",
+    localrule: True
+    conda:
+        CONDA_ENV
+    shell:
+        "python -m roundalign plot-dose --aggregate results/{wildcards.sweep}/aggregate "
+        "--out figures/{wildcards.sweep} > {log} 2>&1"

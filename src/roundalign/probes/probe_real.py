@@ -213,7 +213,7 @@ def run_probe_real(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda
                          "the vllm backend probes with vLLM's default KV cache (auto)")
     if cfg.dose_bits != 7:
         raise ValueError(f"dose_bits={cfg.dose_bits}: the rounding dose is an emulated-engine option (--backend "
-                         "emulated); the real engine rounds as vLLM does (docs/results-dose.md says why)")
+                         "emulated): the dose is a rounding of the emulated engine's own forward (roundalign.numerics.dose)")
     if not 0 < gpu_memory_utilization < 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
     device = preflight(cfg, device, log)

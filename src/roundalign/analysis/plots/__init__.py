@@ -108,7 +108,7 @@ def make_all(aggregate_dir, out_dir: str | Path, formats=("png", "pdf"), figures
 # parallel rebuild hands out the dearest first, so the last figure to start is a cheap one.
 _COST = {"fig_is_ratio": 4.3, "stress_survival": 3.5, "stress_mismatch": 3.2, "stress_reward": 3.2,
          "fig_probe": 3.0, "fig_logp_diff": 2.8, "stress_gap": 2.0, "fig_reward": 2.1, "fig_k3": 2.0,
-         "stress_dose": 1.5, "fig_attribution": 1.5, "fig_attn": 1.0, "summary": 0.1, "stress_summary": 0.1}
+         "stress_dose": 1.5, "dose_gain": 1.0, "fig_attribution": 1.5, "fig_attn": 1.0, "summary": 0.1, "stress_summary": 0.1}
 _POOL: dict = {}  # what a forked worker inherits: (tables, out_dir) per sweep, and the formats
 
 
@@ -123,6 +123,8 @@ def _tasks(pairs, figures, stress, every=False) -> list[tuple[int, str, str]]:
                   if not (every and stem in OPTIONAL_FIGURES and not agg.has(OPTIONAL_FIGURES[stem]))]
         if stress and agg.has("stress_runs"):
             tasks += [(i, "stress", stem) for stem in stress_plots.STEMS] + [(i, "stress", "stress_summary")]
+        if stress and agg.has("dose_outcome"):  # the dose experiment (plots/dose.py)
+            tasks.append((i, "dose", "dose_gain"))
     return tasks
 
 
@@ -134,6 +136,10 @@ def _run_task(task) -> tuple[tuple[int, str, str], list[Path], float]:
     t = time.perf_counter()
     if kind == "figure":
         written = FIGURES[stem].make(agg, out_dir, formats)
+    elif kind == "dose":
+        from roundalign.analysis.plots import dose as dose_plots
+
+        written = dose_plots.make(agg, out_dir, formats)
     elif stem == "stress_summary":
         written = stress_plots.make(agg, out_dir, formats, stems=[], summary=True)
     else:
@@ -164,7 +170,7 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
     pairs = [(tables(a), Path(o)) for a, o in pairs]
     for agg, out_dir in pairs:  # fail before any output when an aggregate is missing; read everything once
         agg["runs"]
-        agg.preload(stress_plots.TABLES if stress else ())
+        agg.preload((*stress_plots.TABLES, "dose_outcome") if stress else ())
         out_dir.mkdir(parents=True, exist_ok=True)
     tasks = _tasks(pairs, figures, stress, every)
     procs = min(jobs, len(tasks))
