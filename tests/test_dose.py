@@ -247,3 +247,22 @@ def test_dose_probe_table_reads_each_probes_dose(tmp_path):
     assert t[(t.dose == 7) & (t.variant == "full") & (t.metric == "tokens_exact_frac")]["value"].item() == 1.0
     with pytest.raises(ValueError, match="one probe per dose"):
         dose_probe_table(paths + paths[:1])
+
+
+def test_the_chunks_cover_every_run_of_the_config_once_and_pack_refuses_an_unfinished_chunk(tmp_path, monkeypatch):
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("dose_chunks", "scripts/dose_chunks.py")
+    dc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dc)
+    cfg = yaml.safe_load(open("configs/dose.yaml"))
+    n_chunks = -(-len(cfg["seeds"]) // dc.CHUNK_SEEDS)
+    every = [t for k in range(n_chunks) for t in dc.targets(k)]
+    assert len(every) == len(set(every)) == len(cfg["models"]) * len(cfg["variants"]) * len(cfg["seeds"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        dc.chunk_seeds(n_chunks)
+    monkeypatch.setattr(dc, "ROOT", tmp_path)  # an empty tree: nothing of chunk 0 has run
+    with pytest.raises(SystemExit, match=r"40 of 40 runs are missing or unfinished"):
+        dc.pack(0)

@@ -13,6 +13,9 @@ copy of the workflow, with their committed configs unchanged, and must give the 
   with the engine's own kernel, attn=vllm_cpu, in the other), against their committed ``metrics.jsonl``: Snakemake runs here in
   .venv, its train job in ``.venv-vllm`` as the committed config says (``python:``), linked into the copy. Without
   that environment the cell skips, naming ``make vllm-env``; under ``CI=true`` it fails instead.
+- one cell of the dose experiment (2 mantissa bits, `full`, seed 0: its warm start, then 300 steps), against the
+  run files packed in its committed chunk (``results/dose/chunks/``), the held-out rewards included; it skips until
+  the chunk holding it is committed;
 - one committed attribution of each sweep that has them (``roundalign attribute``: the emulated engine of the
   smoke sweep, the real vLLM-CPU engine of the vllm-cpu sweep, each at the warm-started weights of a model a cell
   above builds), against its committed ``attribution.csv``, byte for byte.
@@ -45,7 +48,7 @@ ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_
 # a cell trained against the real engine
 CELLS = [("smoke", "tiny-qwen25-tied", "full", 0), ("smoke", "tiny-qwen3-untied", "baseline", 0),
          ("stress", "stress-qwen3-untied-fp8e4m3", "full", 1), ("vllm-cpu", "cpu-qwen3-untied", "full", 1),
-         ("vllm-cpu", "cpu-qwen3-untied.vllm_cpu", "full", 1)]
+         ("vllm-cpu", "cpu-qwen3-untied.vllm_cpu", "full", 1), ("dose", "dose-qwen3-untied-m2", "full", 0)]
 # (sweep, model, engine): an attribution per sweep whose config enables them, on a model built for a cell above
 ATTRIBUTION_CELLS = [("smoke", "tiny-qwen3-untied", "vllm-compiled"), ("vllm-cpu", "cpu-qwen3-untied", "vllm-cpu-eager")]
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -56,13 +59,37 @@ def _metrics(path: Path) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
+def _packed(sweep: str, model: str, variant: str, seed: int, name: str) -> bytes | None:
+    """A run's file from the sweep's committed chunk archives (the dose sweep packs its runs per chunk:
+    scripts/dose_chunks.py), or None."""
+    import tarfile
+
+    member = f"results/{sweep}/runs/{model}/{variant}/seed{seed}/{name}"
+    for archive in sorted((ROOT / f"results/{sweep}/chunks").glob("*.tar.xz")):
+        with tarfile.open(archive) as tar:
+            try:
+                return tar.extractfile(member).read()
+            except KeyError:
+                continue
+    return None
+
+
+def _committed_run_json(sweep: str, model: str, variant: str, seed: int) -> dict | None:
+    path = ROOT / f"results/{sweep}/runs/{model}/{variant}/seed{seed}/run.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    packed = _packed(sweep, model, variant, seed, "run.json")
+    return None if packed is None else json.loads(packed)
+
+
 def _recorded_kernels(sweep: str, model: str, variant: str, seed: int) -> dict | None:
     """The CPU kernels the committed run was computed with: its run.json's ``cpu_kernels``, or, where the sweep
     commits no run.json (the stress sweep), its row of the aggregate run_status.csv; None where not recorded (runs
     from before the record existed)."""
-    path = ROOT / f"results/{sweep}/runs/{model}/{variant}/seed{seed}/run.json"
-    if path.is_file():
-        return json.loads(path.read_text()).get("cpu_kernels")
+    if (run := _committed_run_json(sweep, model, variant, seed)) is not None:
+        return run.get("cpu_kernels")
+    if not (ROOT / f"results/{sweep}/aggregate/run_status.csv").is_file():
+        return None  # not committed yet (a sweep running in chunks)
     status = load_table(ROOT / f"results/{sweep}/aggregate", "run_status")
     if "cpu_kernels" not in status:
         return None
@@ -87,6 +114,9 @@ def _not_here(cell, recorded=None) -> str | None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI=true: {why}")
         return why
+    if recorded is None and len(cell) == 4 and not (ROOT / f"results/{cell[0]}/aggregate").is_dir() \
+            and _committed_run_json(*cell) is None:
+        return f"results/{cell[0]} holds no committed run {cell[1:]} yet (a sweep committed chunk by chunk)"
     recorded, here = recorded if recorded is not None else _recorded_kernels(*cell), cpu_kernels()
     if recorded is not None and kernel_selection(recorded) == kernel_selection(here):
         return None
@@ -138,6 +168,10 @@ def _committed_steps(sweep: str, model: str, variant: str, seed: int) -> tuple[l
     if (rel / "metrics.jsonl").is_file():
         want = _metrics(rel / "metrics.jsonl")
         return want, sorted({k for w in want for k in w})
+    if (packed := _packed(sweep, model, variant, seed, "metrics.jsonl")) is not None:
+        want = [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+                for line in packed.decode().splitlines()]
+        return want, sorted({k for w in want for k in w})
     runs = load_table(ROOT / f"results/{sweep}/aggregate", "runs")
     rows = runs[(runs.model == model) & (runs.variant == variant) & (runs.seed == seed)]
     assert len(rows), f"no committed rows for {model}/{variant}/seed{seed} in results/{sweep}/aggregate/runs.csv"
@@ -163,9 +197,12 @@ def test_a_committed_cell_rerun_from_scratch_equals_the_committed_run(rerun, swe
     for step, (g, w) in enumerate(zip(got, want), start=1):
         diff = {k: (w.get(k), g.get(k)) for k in keys if not _same(w.get(k), g.get(k))}
         assert not diff, (step, diff)
-    if (ROOT / rel / "run.json").is_file():
-        committed = json.loads((ROOT / rel / "run.json").read_text())
-        assert committed["config"] == json.loads((rerun[sweep] / rel / "run.json").read_text())["config"]
+    if (committed := _committed_run_json(sweep, model, variant, seed)) is not None:
+        fresh = json.loads((rerun[sweep] / rel / "run.json").read_text())
+        assert committed["config"] == fresh["config"]
+        # the held-out evaluation, where the run has one, reproduces too (training/heldout.py)
+        assert committed.get("heldout_initial") == fresh.get("heldout_initial")
+        assert committed.get("heldout_final") == fresh.get("heldout_final")
     else:  # the stress sweep: each run's provenance is its row of run_status.csv
         status = load_table(ROOT / f"results/{sweep}/aggregate", "run_status")
         (committed,) = status[(status.model == model) & (status.variant == variant) & (status.seed == seed)] \
