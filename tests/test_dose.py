@@ -266,3 +266,46 @@ def test_the_chunks_cover_every_run_of_the_config_once_and_pack_refuses_an_unfin
     monkeypatch.setattr(dc, "ROOT", tmp_path)  # an empty tree: nothing of chunk 0 has run
     with pytest.raises(SystemExit, match=r"40 of 40 runs are missing or unfinished"):
         dc.pack(0)
+
+
+def test_the_preregistered_tests_against_scipy_and_hand_counts():
+    import numpy as np
+    import pandas as pd
+    from scipy import stats
+
+    from roundalign.analysis.dose import hypothesis_tests, verdicts
+
+    rng = np.random.default_rng(1)
+    rows = []
+    for dose, k in ((7, 0), (4, 1), (3, 2), (2, 3)):
+        for v, effect in (("baseline", -0.05 * k), ("rope", -0.02 * k), ("full", 0.0), ("tis", -0.05 * k)):
+            for s in range(8):
+                rows.append({"dose": dose, "variant": v, "seed": s, "gain": 0.4 + effect + rng.normal(0, 0.02),
+                             "collapsed": v == "baseline" and s < k * 2})
+    out = pd.DataFrame(rows)
+    t = hypothesis_tests(out).set_index(["test", "dose"], drop=False)
+    # Welch's test, as scipy computes it, then Holm over the three doses
+    a = out[(out.variant == "full") & (out.dose == 2)].gain
+    b = out[(out.variant == "baseline") & (out.dose == 2)].gain
+    w = t.loc[("welch_full_vs_baseline", 2)]
+    assert w["p_value"] == pytest.approx(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    assert w["estimate"] == pytest.approx(a.mean() - b.mean()) and w["ci_low"] < w["estimate"] < w["ci_high"]
+    ps = sorted(t[t.test == "welch_full_vs_baseline"]["p_value"])
+    holm = t[t.test == "welch_full_vs_baseline"]["p_holm"]
+    # Holm: the sorted p-values times 3, 2, 1, made monotone, capped at 1
+    assert sorted(holm) == pytest.approx(list(np.minimum(1, np.maximum.accumulate([p * (3 - i) for i, p in enumerate(ps)]))))
+    # the interaction: full's advantage grows by 0.05 per dose step (the simulated effect)
+    inter = t[t.test == "interaction_grows_with_dose"].iloc[0]
+    assert inter["estimate"] == pytest.approx(0.05, abs=0.01) and inter["significant"]
+    assert t[t.test == "baseline_slope_falls"].iloc[0]["estimate"] == pytest.approx(-0.05, abs=0.01)
+    # collapses: baseline 0, 2, 4, 6 of 8 over the doses, full none
+    trend = t[t.test == "collapse_trend_baseline"].iloc[0]
+    assert trend["estimate"] == 12 and trend["significant"]
+    assert t[t.test == "collapse_trend_full"].iloc[0]["p_value"] == 1.0
+    v = verdicts(hypothesis_tests(out))
+    assert v == {"H1": True, "H2": True, "H3": True, "H4": True}
+    # the null: every arm alike, no collapse
+    out["gain"] = 0.4 + rng.normal(0, 0.02, len(out))
+    out["collapsed"] = False
+    assert verdicts(hypothesis_tests(out))["H1"] is False
+    assert verdicts(hypothesis_tests(out))["H4"] is False

@@ -13,7 +13,7 @@ AGGREGATE_TABLES = ["runs", "run_status", "probe", "probe_layers"]
 ATTRIBUTION_TABLES = ["attribution"]
 ATTRIBUTION_FIGURE_STEMS = ["fig_attribution"]
 STRESS_TABLES = ["stress_runs", "stress_survival", "stress_gap"]
-DOSE_TABLES = ["dose_outcome", "dose_gain"]
+DOSE_TABLES = ["dose_outcome", "dose_gain", "dose_tests"]
 STRESS_FIGURE_STEMS = [
     "stress_survival",
     "stress_mismatch",
