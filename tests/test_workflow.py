@@ -55,6 +55,9 @@ def test_lint_and_snakefmt(wf):
     ([], 12, 39),  # smoke: 4 tiny models x 3 variants x 1 seed (+4 make, 4 pretrain, 8 probes, 8 attributions...)
     (["configs/paper.yaml"], 36, 52),  # 4 models x 3 variants x 3 seeds (+4 fetch, 1 data, 8 probes, ...)
     (["configs/paper.yaml", "configs/ablations.yaml"], 96, 112),  # 4 x 8 x 3
+    # the dose experiment: 4 doses x 5 variants x 8 seeds (+1 make, 1 warm start, 4 probes, the dose probe table,
+    # aggregate, figures, stress figures, the dose figure, all)
+    (["configs/dose.yaml"], 160, 172),
 ])
 def test_dry_run_job_counts(wf, configs, train_jobs, total):
     res = smk(wf, "-n", *(["--configfile", *configs] if configs else []))

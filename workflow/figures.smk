@@ -29,7 +29,9 @@ STRESS_SWEEPS = [
 ]
 # the dose experiment's sweeps (dose_outcome.csv) also get its figure
 DOSE_SWEEPS = [
-    s for s in STRESS_SWEEPS if Path(f"results/{s}/aggregate/dose_outcome.csv").is_file()
+    s
+    for s in STRESS_SWEEPS
+    if Path(f"results/{s}/aggregate/dose_outcome.csv").is_file()
 ]
 # sweeps whose aggregate holds an attribution table (attribution: enabled) also get fig_attribution
 ATTRIBUTION_SWEEPS = [

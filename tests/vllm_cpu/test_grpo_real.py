@@ -152,10 +152,11 @@ def test_grpo_with_the_engines_attention_is_on_policy_against_the_real_engine(sf
     rounds where the engine rounds (full): every step's token k3 between the engine's sampling logprobs and TRL's
     scoring sits at the floor of two fp32 log-softmax implementations (the sampler's and TRL's logsumexp; measured
     ~1e-13 on both CPU kinds), while baseline with the same attention keeps its bf16 mismatch (measured 3e-5..1e-3)."""
-    k3 = {}
+    k3, heldout = {}, {}
     for variant in ("full", "baseline"):
         cfg = build_config(overrides={"model": sft_model, **FAST, "backend": "vllm", "engine": engine, "steps": 4,
-                                      "learning_rate": 2e-3, "variant": variant, "attn": "vllm_cpu"})
+                                      "learning_rate": 2e-3, "variant": variant, "attn": "vllm_cpu",
+                                      "heldout_prompts": 8, "heldout_samples": 2})
         res = run_train(cfg, tmp_path / variant, **QUIET)
         vllm_cpu.uninstall_live_gemm_dispatch()
         assert (res.status, res.last_step) == ("done", 4)
@@ -164,6 +165,7 @@ def test_grpo_with_the_engines_attention_is_on_policy_against_the_real_engine(sf
         k3[variant] = [r["mismatch/token/k3"] for r in rows]
         run = json.loads((tmp_path / variant / "run.json").read_text())
         assert run["config"]["attn"] == "vllm_cpu"
+        heldout[variant] = (run["heldout_initial"], run["heldout_final"])
         # against the compiled engine, full's norms sum as the engine's fused kernels do, read from its own code
         orders = run["vllm_engine"].get("norm_sum_orders")
         if engine == "vllm-cpu-compiled" and variant == "full":
@@ -172,3 +174,10 @@ def test_grpo_with_the_engines_attention_is_on_policy_against_the_real_engine(sf
             assert orders is None, orders
     assert all(0 <= x <= 1e-10 for x in k3["full"]), k3
     assert all(x > 1e-8 for x in k3["baseline"]), k3
+    # the held-out evaluation through TRL's colocated engine (trl_bridge.ColocatedEngine): the same warm start, engine
+    # and seeded requests give both variants the same initial reward; the final one samples the trained weights
+    # (loaded as TRL loads them), 16 samples of 8 problems each time
+    (full0, full1), (base0, base1) = heldout["full"], heldout["baseline"]
+    assert full0 == base0 and full0["prompts"] == 8 and full0["samples_per_prompt"] == 2
+    for h in (full0, full1, base1):
+        assert 0 <= h["ci_low"] <= h["reward"] <= h["ci_high"] <= 1

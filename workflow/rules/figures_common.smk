@@ -46,12 +46,9 @@ DOSE_FIGURE_STEMS = ["dose_gain"]
 
 
 def stress_figure_targets(sweep, dose=False):
-    return (
-        expand(
-            "figures/{sweep}/{stem}.{ext}",
-            sweep=sweep,
-            stem=STRESS_FIGURE_STEMS + (DOSE_FIGURE_STEMS if dose else []),
-            ext=["png", "pdf"],
-        )
-        + expand("figures/{sweep}/stress_summary.{ext}", sweep=sweep, ext=["csv", "md"])
-    )
+    return expand(
+        "figures/{sweep}/{stem}.{ext}",
+        sweep=sweep,
+        stem=STRESS_FIGURE_STEMS + (DOSE_FIGURE_STEMS if dose else []),
+        ext=["png", "pdf"],
+    ) + expand("figures/{sweep}/stress_summary.{ext}", sweep=sweep, ext=["csv", "md"])

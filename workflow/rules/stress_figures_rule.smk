@@ -31,7 +31,11 @@ rule dose_figures:
     input:
         "results/{sweep}/aggregate/dose_outcome.csv",
     output:
-        expand("figures/{{sweep}}/{stem}.{ext}", stem=DOSE_FIGURE_STEMS, ext=["png", "pdf"]),
+        expand(
+            "figures/{{sweep}}/{stem}.{ext}",
+            stem=DOSE_FIGURE_STEMS,
+            ext=["png", "pdf"],
+        ),
     log:
         "logs/{sweep}/dose_figures.log",
     localrule: True

@@ -209,7 +209,7 @@ class TrainConfig:
     heldout_prompts: int = _setting(
         0, help="Held-out problems on which the policy's reward is measured by the engine before the first step and "
                 "after the last (run.json heldout_initial / heldout_final; roundalign.training.heldout); 0 = off. "
-                "Emulated engine, task digits or arith.")
+                "Task digits or arith; the emulated engine or TRL's colocated vLLM engine.")
     heldout_samples: int = _setting(4, help="Engine samples per held-out problem (at the run's temperature).")
     mismatch_metrics: bool = _setting(
         True, help="Log the full mismatch set (costs one extra no-grad forward per step).")
@@ -243,10 +243,11 @@ class TrainConfig:
         if self.heldout_prompts < 0 or self.heldout_samples < 1:
             raise ConfigError(f"heldout_prompts={self.heldout_prompts} must be >= 0 and heldout_samples="
                               f"{self.heldout_samples} >= 1")
-        if self.heldout_prompts and (self.backend != "emulated" or self.task not in ("digits", "arith")):
-            raise ConfigError(f"heldout_prompts={self.heldout_prompts}: the held-out evaluation runs on the emulated "
-                              f"engine for the tasks digits and arith, not backend {self.backend!r} with task "
-                              f"{self.task!r}")
+        if self.heldout_prompts and (self.task not in ("digits", "arith")
+                                     or (self.backend == "vllm" and self.vllm_mode != "colocate")):
+            raise ConfigError(f"heldout_prompts={self.heldout_prompts}: the held-out evaluation covers the tasks digits "
+                              f"and arith, sampled by the emulated engine or TRL's colocated vLLM engine; not task "
+                              f"{self.task!r} with backend {self.backend!r} in vllm_mode {self.vllm_mode!r}")
         if self.num_generations < 2:
             raise ConfigError(f"num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
         if self.grad_norm_collapse_factor != 0 and not self.grad_norm_collapse_factor > 1:

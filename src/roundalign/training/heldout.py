@@ -1,16 +1,17 @@
 """Learning measured against the initial policy: the policy's reward on held-out prompts, sampled by the engine.
 
-A run with ``heldout_prompts > 0`` (emulated engine, task digits or arith) evaluates its policy twice, in the same
-way: before the first optimizer step (``heldout_initial``: the warm start, as the run's own engine samples it, its
-dose included) and after the last (``heldout_final``). Both are recorded in run.json and in the sweep's
-``runs_summary.csv`` (``roundalign.analysis.aggregate``).
+A run with ``heldout_prompts > 0`` (task digits or arith) evaluates its policy twice, in the same way: before the
+first optimizer step (``heldout_initial``: the warm start, as the run's own engine samples it, its dose included) and
+after the last (``heldout_final``). The engine is the run's: the emulated one, or TRL's colocated vLLM engine
+(``trl_bridge.ColocatedEngine``: vLLM's own sampler, the policy's weights loaded as TRL loads them). Both are
+recorded in run.json and in the sweep's ``run_status.csv`` (``roundalign.analysis.aggregate``).
 
 The evaluation:
 
 - problems: ``heldout_prompts`` problems of the run's task drawn from ``HELDOUT_SEED``, a seed no training run uses
   (training draws from the run's seed), so every run of a sweep is evaluated on the same problems;
 - sampling: ``heldout_samples`` completions per problem from the run's engine at the run's temperature and
-  completion cap, each from its own generator seeded by ``(HELDOUT_SEED, index)``: the same draws for every run, so
+  completion cap, each from its own generator seeded by ``(HELDOUT_SEED, index)`` (vLLM: its request seed): the same draws for every run, so
   two runs at the same weights and engine get the same reward, and the initial reward is the same for every
   variant and seed of one warm start and engine;
 - score: the task's own reward function; the reward is the mean over problems of each problem's mean reward, with

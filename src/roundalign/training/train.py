@@ -606,10 +606,13 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
         state.sync = bridge_emulated_engine(trainer, engine, model)
     if cfg.heldout_prompts:
         from roundalign.training.heldout import evaluate_heldout
+        from roundalign.training.trl_bridge import ColocatedEngine
+
+        sampler = engine if engine is not None else ColocatedEngine(trainer)
 
         def heldout():
-            engine.sync_weights(model)  # the policy as it is now, sampled by the run's engine
-            return evaluate_heldout(engine, tokenizer, cfg, reward_fn)
+            sampler.sync_weights(model)  # the policy as it is now, sampled by the run's engine
+            return evaluate_heldout(sampler, tokenizer, cfg, reward_fn)
 
         state.heldout = heldout
         if files.record.get("heldout_initial") is None:

@@ -89,6 +89,40 @@ def bridge_emulated_engine(trainer: GRPOTrainer, engine, model) -> EngineSync:
     return sync
 
 
+class ColocatedEngine:
+    """TRL's colocated vLLM engine as the held-out evaluation samples from it (``training/heldout.py``).
+
+    ``sync_weights`` loads the policy's current weights into it as TRL does before a generation: through
+    ``trainer.vllm_generation.sync_weights()`` when ``global_step`` moved since TRL last loaded them
+    (``trainer._last_loaded_step``), recording the load so that TRL does not repeat it. ``generate`` samples with
+    vLLM's own sampler, one request per prompt, prompt i seeded by ``seed * 1_000_003 + i``
+    (``engine.generate.sample_with_logprobs``); the engine stops at the end-of-text token itself."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        from roundalign.bridge.vllm_internals import colocated_llm
+
+        self.trainer = trainer
+        if colocated_llm(trainer) is None:
+            raise RuntimeError("held-out evaluation on vLLM needs TRL's colocated engine (vllm_mode colocate)")
+        for attr in ("_last_loaded_step", "vllm_generation"):
+            if not hasattr(trainer, attr):
+                raise RuntimeError(f"trl {_trl_version()}: GRPOTrainer has no attribute {attr!r}; "
+                                   "roundalign.training.trl_bridge targets trl 1.16.0")
+
+    def sync_weights(self, model=None) -> None:
+        t = self.trainer
+        if t.state.global_step != t._last_loaded_step:
+            t.vllm_generation.sync_weights()
+            t._last_loaded_step = t.state.global_step
+
+    def generate(self, prompts, *, max_new_tokens: int, temperature: float, seed: int, eos_token_id=None):
+        from roundalign.bridge.vllm_internals import colocated_llm
+        from roundalign.engine.generate import sample_with_logprobs
+
+        return sample_with_logprobs(colocated_llm(self.trainer), prompts, temperature=temperature,
+                                    max_new_tokens=max_new_tokens, seed=seed)
+
+
 def _trl_version() -> str:
     import trl
 

@@ -13,6 +13,12 @@ Definitions (per run, then the mean over the seeds that have the metric):
   (``gain_lo``, ``gain_hi``): seeds resampled with replacement and, within each, the two windows' steps
   (``N_BOOT`` resamples, ``numpy.random.default_rng(0)``), so a single-seed arm still gets the interval of its
   step noise. An arm learns when ``gain_lo`` > 0;
+- learning against the initial policy, where the runs measured it (``heldout_prompts``, training/heldout.py):
+  ``heldout_initial`` / ``heldout_final``, the held-out reward before step 1 and after the last, means over seeds;
+  ``heldout_final_lo`` / ``_hi`` the mean of the runs' 95% intervals (over held-out problems; one seed: that run's);
+  ``heldout_gain`` = final - initial. The arm ends above its initial policy when ``heldout_final_lo`` exceeds
+  ``heldout_initial``. The window gain above measures training batches against training batches, which an early
+  dip moves; this is the measure the results pages quote;
 - num_collapsed / collapse_steps: runs with status ``collapsed`` and their collapse steps;
   num_reward_collapsed: runs whose reward collapse was flagged (they may have trained on).
 """
@@ -34,7 +40,8 @@ K3 = "mismatch/token/k3"
 FINAL_FRACTION = 0.1
 LEARN_WINDOW = 10
 N_BOOT = 2000
-FLOATS = ("final_reward", "peak_k3", "first_reward", "last_reward", "reward_gain", "gain_lo", "gain_hi")
+FLOATS = ("final_reward", "peak_k3", "first_reward", "last_reward", "reward_gain", "gain_lo", "gain_hi",
+          "heldout_initial", "heldout_final", "heldout_final_lo", "heldout_final_hi", "heldout_gain")
 COLUMNS = ("model", "variant", "num_seeds", "num_done", "num_collapsed", "collapse_steps", "num_reward_collapsed",
            *FLOATS)
 
@@ -112,8 +119,26 @@ def summarize(runs: pd.DataFrame, run_status: pd.DataFrame) -> pd.DataFrame:
                 "final_reward": _nanmean([final.get(k, math.nan) for k in keys]),
                 "peak_k3": _nanmean([peak.get(k, math.nan) for k in keys]),
                 **learning([windows[k] for k in keys if windows.get(k) is not None]),
+                **_heldout(sts),
             })
     return pd.DataFrame(out, columns=list(COLUMNS))
+
+
+def _heldout(sts) -> dict[str, float]:
+    def value(r, name) -> float:
+        v = getattr(r, name, math.nan)
+        try:
+            return float(v)
+        except (TypeError, ValueError):  # an empty field: the run did not measure it
+            return math.nan
+
+    def col(name):
+        return _nanmean([value(r, name) for r in sts])
+
+    out = {"heldout_initial": col("heldout_initial"), "heldout_final": col("heldout_final"),
+           "heldout_final_lo": col("heldout_final_ci_low"), "heldout_final_hi": col("heldout_final_ci_high")}
+    out["heldout_gain"] = out["heldout_final"] - out["heldout_initial"]
+    return out
 
 
 def _nanmean(values) -> float:
@@ -135,24 +160,28 @@ def to_markdown(table: pd.DataFrame) -> str:
     """GitHub Markdown table: reward to 3 decimals, k3 in 3-significant-digit scientific notation."""
     head = ["model", "variant", "seeds", "done", "collapsed", "collapse step (seed)", "reward collapses",
             "final reward", "peak k3 (nats/token)", f"reward, first {LEARN_WINDOW} steps",
-            f"last {LEARN_WINDOW} steps", "gain [95% CI]"]
+            f"last {LEARN_WINDOW} steps", "gain [95% CI]", "held-out: initial -> final [95% CI]"]
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join(["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:", "---:",
-                             "---:"]) + "|"]
+                             "---:", "---:"]) + "|"]
     for r in table.itertuples(index=False):
         gain = ("n/a" if not np.isfinite(r.reward_gain)
                 else f"{r.reward_gain:+.3f} [{r.gain_lo:+.3f}, {r.gain_hi:+.3f}]")
         cells = [r.model, r.variant, str(r.num_seeds), str(r.num_done), str(r.num_collapsed), r.collapse_steps or "-",
                  str(r.num_reward_collapsed), _fmt(r.final_reward, ".3f", "n/a"), _fmt(r.peak_k3, ".3e", "n/a"),
-                 _fmt(r.first_reward, ".3f", "n/a"), _fmt(r.last_reward, ".3f", "n/a"), gain]
+                 _fmt(r.first_reward, ".3f", "n/a"), _fmt(r.last_reward, ".3f", "n/a"), gain,
+                 "n/a" if not np.isfinite(r.heldout_final) else
+                 f"{r.heldout_initial:.3f} -> {r.heldout_final:.3f} [{r.heldout_final_lo:.3f}, {r.heldout_final_hi:.3f}]"]
         lines.append("| " + " | ".join(cells) + " |")
     if table.empty:
-        lines.append("| no data | | | | | | | | | | | |")
+        lines.append("| no data | | | | | | | | | | | | |")
     note = (f"\nFinal reward: mean of `{REWARD}` over each run's last {FINAL_FRACTION:.0%} of logged steps "
             f"(at least 1), then over seeds. Peak k3: max of `{K3}` per run, then mean over seeds. Gain: mean reward of "
             f"the last {LEARN_WINDOW} logged steps minus the first {LEARN_WINDOW}, over seeds, with a 95% bootstrap "
             f"interval over seeds and, within each seed, over the steps of each window ({N_BOOT} resamples, seed 0); "
-            "an arm learns when the interval lies above 0.\n")
+            "an arm learns when the interval lies above 0 (training batches: an early dip moves it). Held-out: the "
+            "policy's reward on held-out problems sampled by the run's engine before step 1 and after the last "
+            "(mean over seeds; the interval is over problems), the measure against the initial policy.\n")
     return "\n".join(lines) + "\n" + note
 
 
