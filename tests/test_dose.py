@@ -309,3 +309,19 @@ def test_the_preregistered_tests_against_scipy_and_hand_counts():
     out["collapsed"] = False
     assert verdicts(hypothesis_tests(out))["H1"] is False
     assert verdicts(hypothesis_tests(out))["H4"] is False
+
+
+def test_no_dose_leaves_an_fp32_engine_unrounded():
+    # 7 bits is "no dose" in any dtype: an fp32 engine (the fp32 floor of the stress experiment) must not be rounded to
+    # bf16's mantissa at the regions. Reference: the stock HF model in fp32, which the fp32 engine matches to fp32
+    # noise (measured 1.2e-6 here; rounding the regions to 7 bits made it 1.3e-2)
+    model = random_qwen("qwen3", tie=False).float()
+    model.config._attn_implementation = "eager"
+    ids = torch.tensor(prompts([9]))
+    eng = Engine(model, engine="vllm-eager", attn="eager").model
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    assert (eng.forward(ids, eng.new_cache()) - ref).abs().max() < 1e-5
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(64, dtype=dtype)
+        assert round_mantissa_st(x, 7) is x

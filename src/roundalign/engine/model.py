@@ -218,7 +218,8 @@ class EngineModel:
     # rounds silu before the multiply. Single-region plans of the eager engine take HF's style elsewhere.
 
     def _dose(self, x: Tensor) -> Tensor:
-        return dose.round_mantissa(x, self.dose_bits)
+        # no dose: x itself, whatever its dtype (an fp32 or fp16 engine must not be rounded to bf16's 7 bits)
+        return x if self.dose_bits == dose.NO_DOSE else dose.round_mantissa(x, self.dose_bits)
 
     def _norm(self, x: Tensor, w: Tensor, residual: Tensor | None):
         out, residual = self._norm_undosed(x, w, residual)

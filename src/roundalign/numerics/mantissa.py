@@ -62,8 +62,8 @@ class _RoundStraightThrough(torch.autograd.Function):
 
 
 def round_mantissa_st(x: Tensor, bits: int) -> Tensor:
-    """``round_mantissa`` with a straight-through gradient; ``x`` itself where there is nothing to round."""
-    if bits == NO_DOSE and x.dtype == torch.bfloat16:
+    """``round_mantissa`` with a straight-through gradient; ``x`` itself for ``bits = 7`` (no dose), in any dtype."""
+    if bits == NO_DOSE:
         return x
     return _RoundStraightThrough.apply(x, bits)
 
