@@ -395,7 +395,19 @@ def figures_files(row):
     _in(row["value"], f"{median} s median", f"{files} files")
 
 
+def dose_probe(row):
+    rows = _csv("results/dose/probe/dose_probe.csv")
+    val = {(int(r["dose"]), r["variant"], r["metric"]): float(r["value"]) for r in rows}
+    doses = sorted({d for d, _, _ in val}, reverse=True)
+    assert all(val[(d, "full", "k3")] == 0 and val[(d, "full", "tokens_exact_frac")] == 1.0 for d in doses)
+    base = [val[(d, "baseline", "k3")] for d in doses]
+    assert base == sorted(base), "baseline's mismatch rises with the dose"
+    _in(row["value"], "full k3 0", f"at {', '.join(map(str, doses[:-1]))} and {doses[-1]} bits",
+        "baseline k3 " + ", ".join(_sci(b) for b in base))
+
+
 CHECKS = {
+    "the dose experiment's probe": dose_probe,
     "the attribution waterfall against real vLLM-CPU ends at k3 = 0": attribution_ends_at_zero,
     "rounding (`full`) alone removes about half or more": rounding_alone_removes_half,
     "top-p 0.9 without renormalisation": top_p,
