@@ -81,6 +81,9 @@ RECHECK: list[tuple[str, list[str]]] = [
     (_R + "*", ["tests/test_regions.py", "tests/test_direct_mutants.py", "tests/test_activation_memory.py",
                 "tests/test_engine.py"]),
     ("roundalign.numerics.plan.*", ["tests/test_regions.py", "tests/test_patch.py", "tests/test_engine.py"]),
+    # the dose (the dose experiment): its rounding, the engine's and the trainer's placement, and training under it
+    ("roundalign.numerics.mantissa.*", ["tests/test_dose.py", "tests/test_patch.py", "tests/test_engine.py"]),
+    ("roundalign.numerics.dose.*", ["tests/test_dose.py", "tests/test_train.py"]),
     ("roundalign.numerics.x_*", ["tests/test_patch.py", "tests/test_regions.py"]),  # numerics/__init__.py
     # the two end-to-end checkpoint tests SIGKILL a `roundalign train` subprocess (it inherits the mutant)
     ("roundalign.training.checkpoints.*", ["tests/test_direct_mutants.py", "tests/test_checkpoints.py"]),
