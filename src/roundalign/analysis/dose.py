@@ -190,23 +190,21 @@ def hypothesis_tests(outcome: pd.DataFrame) -> pd.DataFrame:
     two = outcome[outcome["variant"].isin(["baseline", "full"])].dropna(subset=["gain"]).copy()
     two["is_full"] = (two["variant"] == "full").astype(float)
     two["dose_index"] = two["dose"].map(idx).astype(float)
+    def ols(hyp, test, formula, term, data, upper):
+        """One OLS coefficient as a row, with its one-sided p (``upper``: for > 0, else for < 0)."""
+        fit = smf.ols(formula, data=data).fit()
+        coef, t = fit.params[term], fit.tvalues[term]
+        p1 = float((stats.t.sf if upper else stats.t.cdf)(t, fit.df_resid))
+        lo, hi = fit.conf_int().loc[term]
+        return {"hypothesis": hyp, "test": test, "dose": np.nan, "estimate": coef, "ci_low": lo, "ci_high": hi,
+                "statistic": t, "p_value": p1, "significant": bool(p1 < ALPHA), "n": len(data)}
+
     if two["is_full"].nunique() == 2 and two["dose_index"].nunique() > 1:
-        fit = smf.ols("gain ~ is_full * dose_index", data=two).fit()
-        coef, t = fit.params["is_full:dose_index"], fit.tvalues["is_full:dose_index"]
-        p1 = float(stats.t.sf(t, fit.df_resid))
-        lo, hi = fit.conf_int().loc["is_full:dose_index"]
-        rows.append({"hypothesis": "H1", "test": "interaction_grows_with_dose", "dose": np.nan, "estimate": coef,
-                     "ci_low": lo, "ci_high": hi, "statistic": t, "p_value": p1, "significant": bool(p1 < ALPHA),
-                     "n": len(two)})
+        rows.append(ols("H1", "interaction_grows_with_dose", "gain ~ is_full * dose_index", "is_full:dose_index",
+                        two, upper=True))
     base = two[two["is_full"] == 0]
     if base["dose_index"].nunique() > 1:
-        fit = smf.ols("gain ~ dose_index", data=base).fit()
-        coef, t = fit.params["dose_index"], fit.tvalues["dose_index"]
-        p1 = float(stats.t.cdf(t, fit.df_resid))
-        lo, hi = fit.conf_int().loc["dose_index"]
-        rows.append({"hypothesis": "H2", "test": "baseline_slope_falls", "dose": np.nan, "estimate": coef,
-                     "ci_low": lo, "ci_high": hi, "statistic": t, "p_value": p1, "significant": bool(p1 < ALPHA),
-                     "n": len(base)})
+        rows.append(ols("H2", "baseline_slope_falls", "gain ~ dose_index", "dose_index", base, upper=False))
     a, b = _gains(outcome, "full", top), _gains(outcome, "full", none)
     lo, hi = _boot_diff(a, b, rng)
     rows.append({"hypothesis": "H2", "test": "full_top_minus_none", "dose": top,
