@@ -26,6 +26,7 @@ the kernel-selecting ISA flags, not the CPU's name or VNNI) are those the commit
 ``run_status.csv``); a cell computed elsewhere, or before the record existed, is skipped with both records named.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import yaml
 
 from roundalign.envinfo import cpu_kernels, kernel_selection
 from roundalign.analysis.plots._common import load_table
+from roundalign.training.config import TrainConfig
 from roundalign.training.train import TIMING_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +127,28 @@ def _not_here(cell, recorded=None) -> str | None:
             "expected here (rerun the sweep on this machine to check it)")
 
 
+def _config_as_recorded(committed: dict, fresh: dict) -> dict:
+    """``fresh`` (a rerun's run.json config) without the settings the committed run predates. A setting added after a
+    sweep was committed may be missing from its run.json only where the rerun holds that setting's default (the
+    default is the behaviour before the setting existed: the rerun's metrics, compared step by step above, show that
+    it computes the same). A new setting at any other value, or a committed setting that is gone, is a difference."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for key, value in fresh.items():
+        if key not in committed and key in defaults and value == defaults[key]:
+            continue
+        out[key] = value
+    return out
+
+
+def test_a_setting_newer_than_a_committed_run_is_ignored_only_at_its_default():
+    committed = {"seed": 1, "steps": 60}
+    assert _config_as_recorded(committed, {**committed, "heldout_prompts": 0, "engine_dose_bits": 7}) == committed
+    assert _config_as_recorded(committed, {**committed, "heldout_prompts": 64}) != committed
+    assert _config_as_recorded(committed, {**committed, "no_such_setting": 0}) != committed
+    assert _config_as_recorded(committed, {"seed": 1}) != committed  # a committed setting that is gone
+
+
 @pytest.fixture(scope="module")
 def rerun(tmp_path_factory):
     """{sweep: a fresh copy of the workflow in which that sweep's cells that can be compared here were rerun}."""
@@ -199,7 +223,7 @@ def test_a_committed_cell_rerun_from_scratch_equals_the_committed_run(rerun, swe
         assert not diff, (step, diff)
     if (committed := _committed_run_json(sweep, model, variant, seed)) is not None:
         fresh = json.loads((rerun[sweep] / rel / "run.json").read_text())
-        assert committed["config"] == fresh["config"]
+        assert _config_as_recorded(committed["config"], fresh["config"]) == committed["config"]
         # the held-out evaluation, where the run has one, reproduces too (training/heldout.py)
         assert committed.get("heldout_initial") == fresh.get("heldout_initial")
         assert committed.get("heldout_final") == fresh.get("heldout_final")

@@ -89,18 +89,38 @@ def test_decode_and_gemm_are_exactly_zero_on_this_cpu_with_the_engines_own_gemm_
     assert _share(eager, "decode", "alone") == 0.0 and _share(eager, "gemm", "alone") == 0.0
 
 
-def test_the_gemm_equalization_runs_vllms_own_kernel():
-    # SGL's packed kernel at K >= 512 gives a row a different result alone than in a batch of 20 (F.linear does
-    # not): the equalized trainer linear must show it, so it cannot be F.linear in disguise
+def test_the_gemm_equalization_runs_vllms_own_kernel(monkeypatch):
+    """The equalized trainer linear is vLLM-CPU's own GEMM, whichever kernel its dispatch picks on this CPU (SGL's
+    AMX-packed ``weight_packed_linear_cpu`` where ``check_cpu_sgl_kernel`` allows it, else oneDNN's ``onednn_mm``),
+    not F.linear in disguise: the op is seen running, and its output is that op's on a freshly packed weight."""
+    from roundalign.bridge.vllm_internals import cpu_gemm_utils
+
+    U = cpu_gemm_utils()
+    ops, N, K = U.ops, 128, 1024
+    if U.current_platform.is_zen_cpu() and hasattr(torch.ops, "zentorch"):
+        pytest.skip("zentorch is installed: vLLM dispatches this CPU's GEMMs to zentorch, which this test does not cover")
+    if U.check_cpu_sgl_kernel(N, K, torch.bfloat16):
+        kernel = "weight_packed_linear_cpu"
+        reference = lambda x, w: ops.weight_packed_linear_cpu(x, torch.ops._C.convert_weight_packed(w), N, None)
+    elif ops._supports_onednn:
+        kernel = "onednn_mm"
+        reference = lambda x, w: ops.onednn_mm(ops.create_onednn_mm(w.t(), 32), x, None)
+    else:
+        pytest.fail("this vLLM build has neither SGL's packed GEMM for this shape nor oneDNN: nothing to equalize to")
+    calls = []
+    for name in ("weight_packed_linear_cpu", "onednn_mm"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     torch.manual_seed(0)
-    lin = torch.nn.Linear(1024, 128, bias=False).to(torch.bfloat16)
+    lin = torch.nn.Linear(K, N, bias=False).to(torch.bfloat16)
     fwd = A._vllm_cpu_gemm(lin)
-    x = torch.randn(20, 1024, dtype=torch.bfloat16)
-    rows = torch.cat([fwd(x[i:i + 1]) for i in range(20)])
-    assert not torch.equal(rows, fwd(x))
-    assert torch.equal(fwd(x), torch.nn.functional.linear(x, lin.weight))  # at the trainer's M it is bitwise F.linear
-    lin_rows = torch.cat([torch.nn.functional.linear(x[i:i + 1], lin.weight) for i in range(20)])
-    assert torch.equal(lin_rows, torch.nn.functional.linear(x, lin.weight))
+    x = torch.randn(20, K, dtype=torch.bfloat16)
+    got = fwd(x)
+    assert calls == [kernel], (calls, kernel)
+    monkeypatch.undo()
+    assert torch.equal(got, reference(x, lin.weight.detach().clone()))
+    # measured on both CPU kinds (AMD EPYC: oneDNN, Intel with AMX): at the trainer's M it is bitwise F.linear
+    assert torch.equal(got, torch.nn.functional.linear(x, lin.weight))
 
 
 def test_users_effects(model_dir, tmp_path):

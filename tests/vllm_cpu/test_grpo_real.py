@@ -69,7 +69,9 @@ def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tm
     assert not torch.equal(probe.after[0], probe.after[-1])  # the weights kept moving
 
 
-STEPS = 6
+# A step of this run takes ~0.1 s, so the SIGTERM sent once step 2 is logged can land several steps later (it landed
+# at the last of 6 steps on a fast CI machine, leaving no save to kill): room to spare, and a 10 ms poll
+STEPS = 10
 
 
 def _cli(model, out, steps, *extra):
@@ -109,16 +111,17 @@ def test_cli_run_then_sigterm_then_a_kill_mid_save_and_resume_equals_the_uninter
         if (cut / "metrics.jsonl").is_file() and len((cut / "metrics.jsonl").read_text().splitlines()) >= 2:
             proc.send_signal(signal.SIGTERM)
             break
-        time.sleep(0.2)
+        time.sleep(0.01)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, out[-3000:]
     assert json.loads((cut / "run.json").read_text())["status"] == "preempted"
     preempted = json.loads((cut / "run.json").read_text())["last_step"]  # saved on SIGTERM
     # resumed, then killed (SIGKILL) in the middle of its next save (every 2 steps), after the optimizer file
     nxt = preempted + 2 - preempted % 2
+    assert nxt <= STEPS, f"the SIGTERM landed at step {preempted} of {STEPS}: no later save left to kill"
     crash = subprocess.run(_cli(sft_model, cut, STEPS), env={**env, "ROUNDALIGN_FAULT_INJECT": f"after_optimizer@{nxt}"},
                            capture_output=True, text=True, timeout=600)
-    assert crash.returncode == -9, crash.stdout[-3000:] + crash.stderr[-3000:]
+    assert crash.returncode == -9, (preempted, nxt, crash.stdout[-3000:] + crash.stderr[-3000:])
     again = subprocess.run(_cli(sft_model, cut, STEPS), env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"checkpoint-{nxt} is incomplete" in again.stdout, again.stdout
