@@ -23,7 +23,7 @@ from roundalign import apply_alignment
 
 from roundalign.bridge import vllm_cpu
 
-from roundalign.bridge import vllm_guard
+from roundalign.bridge import vllm_guard, vllm_internals
 from roundalign.envinfo import cpu_kernels
 from roundalign.numerics.plan import CPU_ENGINES, cpu_kernel_build
 from roundalign.models.tiny import random_qwen
@@ -104,7 +104,8 @@ class _Engines:
             settings = vllm_guard.engine_settings(llm)
             problems = {e: vllm_guard.map_problems(settings, e) for e in (*CPU_ENGINES, "vllm-compiled", "vllm-eager")}
             self.results[key] = {"logps": logps, "settings": settings, "problems": problems, "orders": orders,
-                                 "kernels": vllm_cpu.engine_kernels(llm)}
+                                 "kernels": vllm_cpu.engine_kernels(llm),
+                                 "compile_dir": vllm_internals.compile_cache_dir(llm) if mode == "compiled" else None}
             del llm
             gc.collect()
         return self.results[key]
@@ -431,12 +432,16 @@ def test_compiled_map_is_the_real_engines_inductor_output_code(engines):
     its KV-cache write, and the LM head."""
     from roundalign.bridge.inductor_code import engine_store_dtypes, find_output_code
 
+    # Only these stock engines' own compile caches: the session's cache root also holds the graphs of every other
+    # engine the suite compiled (an engine built with other settings, e.g. vLLM's C++ rotary_embedding op inside the
+    # compiled graph, copies q and k out to bf16 buffers for it, which is not the stock compiled map), and vLLM points
+    # Inductor's cache at the engine's directory for the rest of the process, so our emulated one-graph engine's code
+    # can land there too: the engine's graphs are those with vLLM's KV-cache write op
+    summaries = []
     for name in MODELS:
-        engines.get(name, "compiled")
-    paths = find_output_code(os.environ["VLLM_CACHE_ROOT"])
-    summaries = [engine_store_dtypes(os.environ["VLLM_CACHE_ROOT"], path=p) for p in paths]
-    # vLLM points Inductor's cache at its own root for the whole process, so our emulated one-graph engine's code
-    # lands there too: the engine's graphs are those with vLLM's KV-cache write op
+        local = engines.get(name, "compiled")["compile_dir"]
+        root = next(p for p in (local, *local.parents) if (p / "inductor_cache").is_dir())
+        summaries += [engine_store_dtypes(root, path=p) for p in find_output_code(root)]
     summaries = [s for s in summaries if s["op_counts"].get("kv_cache_update")]
     attention_calls = sorted(s["op_counts"].get("attention", 0) for s in summaries)
     assert sorted({MODELS[n][2] for n in MODELS}) == sorted(set(attention_calls)), attention_calls  # one graph each
