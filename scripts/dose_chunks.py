@@ -61,8 +61,8 @@ def targets(k: int) -> list[str]:
 
 def pack(k: int) -> Path:
     dirs = run_dirs(k)
-    unfinished = [d for d in dirs if not (d / "run.json").is_file()
-                  or json.loads((d / "run.json").read_text()).get("status") not in ("done", "collapsed")]
+    unfinished = [d for d in dirs if not (ROOT / d / "run.json").is_file()
+                  or json.loads((ROOT / d / "run.json").read_text()).get("status") not in ("done", "collapsed")]
     if unfinished:
         raise SystemExit(f"chunk {k}: {len(unfinished)} of {len(dirs)} runs are missing or unfinished, e.g. "
                          f"{unfinished[0]}: run `make dose-chunk CHUNK={k}` first")
