@@ -105,7 +105,7 @@ class _Engines:
             problems = {e: vllm_guard.map_problems(settings, e) for e in (*CPU_ENGINES, "vllm-compiled", "vllm-eager")}
             self.results[key] = {"logps": logps, "settings": settings, "problems": problems, "orders": orders,
                                  "kernels": vllm_cpu.engine_kernels(llm),
-                                 "compile_dir": vllm_internals.compile_cache_dir(llm) if mode == "compiled" else None}
+                                 "inductor_cache": vllm_internals.inductor_cache_dir(llm) if mode == "compiled" else None}
             del llm
             gc.collect()
         return self.results[key]
@@ -439,9 +439,8 @@ def test_compiled_map_is_the_real_engines_inductor_output_code(engines):
     # can land there too: the engine's graphs are those with vLLM's KV-cache write op
     summaries = []
     for name in MODELS:
-        local = engines.get(name, "compiled")["compile_dir"]
-        root = next(p for p in (local, *local.parents) if (p / "inductor_cache").is_dir())
-        summaries += [engine_store_dtypes(root, path=p) for p in find_output_code(root)]
+        cache = engines.get(name, "compiled")["inductor_cache"]
+        summaries += [engine_store_dtypes(cache, path=p) for p in find_output_code(cache)]
     summaries = [s for s in summaries if s["op_counts"].get("kv_cache_update")]
     attention_calls = sorted(s["op_counts"].get("attention", 0) for s in summaries)
     assert sorted({MODELS[n][2] for n in MODELS}) == sorted(set(attention_calls)), attention_calls  # one graph each

@@ -40,7 +40,7 @@ import os
 import torch
 
 from roundalign.bridge.sdpa_grad import sdpa_grad_per_request, sdpa_reference  # noqa: F401 (sdpa_reference: re-exported)
-from roundalign.bridge.vllm_internals import compile_cache_dir, cpu_gemm_utils, inprocess_model, vllm_config  # noqa: F401
+from roundalign.bridge.vllm_internals import compile_cache_dir, cpu_gemm_utils, inductor_cache_dir, inprocess_model, vllm_config  # noqa: F401
 
 ATTN_NAME = "vllm_cpu"
 # vLLM 0.31.0's CPU backend (CPUAttentionBackend.get_supported_head_sizes, cpu_attn.py:69-70)
@@ -231,18 +231,16 @@ def engine_norm_sum_orders(llm) -> list[tuple[int, int]]:
     if int(cc.mode) == 0:
         raise ValueError("the engine runs eagerly (enforce_eager): it has no Inductor graph to read reduction "
                          "orders from")
-    local = compile_cache_dir(llm)
-    roots = [p for p in (local, *local.parents) if (p / "inductor_cache").is_dir()] if local else []
-    if not roots:
-        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir {str(local)!r} (vLLM "
-                                "keeps it under $VLLM_CACHE_ROOT/torch_compile_cache; an engine that compiled in its "
+    cache = inductor_cache_dir(llm)
+    if cache is None:
+        raise FileNotFoundError(f"no Inductor cache next to the engine's compile cache dir "
+                                f"{str(compile_cache_dir(llm))!r} (vLLM keeps it under $VLLM_CACHE_ROOT/torch_compile_cache; an engine that compiled in its "
                                 "own process leaves none here: build it with VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's "
                                 "colocated engine runs)")
     # vllm_only: the process's later compiles land in the same cache (a probe's emulated engine has its own graph)
-    orders = inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(roots[0] / "inductor_cache",
-                                                                            vllm_only=True))
+    orders = inductor_code.norm_sum_orders(inductor_code.engine_store_dtypes(cache, vllm_only=True))
     if not orders:
-        raise ValueError(f"the engine's graph under {roots[0]} has no RMSNorm reduction that roundalign can read")
+        raise ValueError(f"the engine's graph under {cache.parent} has no RMSNorm reduction that roundalign can read")
     return orders
 
 

@@ -61,6 +61,15 @@ def compile_cache_dir(llm) -> Path | None:
     return Path(d) if d else None
 
 
+def inductor_cache_dir(llm) -> Path | None:
+    """The Inductor cache that holds the engine's generated code: the ``inductor_cache`` folder beside its compile
+    cache directory or above it (vLLM points ``TORCHINDUCTOR_CACHE_DIR`` there while it compiles), None when there is
+    none in this process."""
+    local = compile_cache_dir(llm)
+    return next((p / "inductor_cache" for p in ((local, *local.parents) if local else ())
+                 if (p / "inductor_cache").is_dir()), None)
+
+
 def cpu_gemm_utils():
     """The module that holds vLLM-CPU's GEMM dispatch (``dispatch_cpu_unquantized_gemm``)."""
     from vllm.model_executor.layers import utils
