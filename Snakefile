@@ -39,7 +39,9 @@ include: "workflow/rules/report.smk"
 rule all:
     default_target: True
     input:
-        figure_targets(SWEEP.name, SWEEP.attribution is not None),
+        figure_targets(
+            SWEEP.name, SWEEP.attribution is not None, SWEEP.stress is not None
+        ),
         aggregate_targets(SWEEP.name),
         attribution_outputs(SWEEP.name),
         stress_figure_targets(SWEEP.name, IS_DOSE) if SWEEP.stress else [],

@@ -258,9 +258,37 @@ def wf_with_results(wf):
     return wf
 
 
+# A PNG may differ from the committed one in a few antialiased pixels on another kind of x86 CPU: the committed
+# figures/vllm-cpu/fig_logp_diff.png (made on an Intel Xeon whose numpy dispatches to AVX-512, X86_V4) differs from
+# its rebuild on an AMD EPYC without AVX-512 (X86_V3) in 32 of 3.8M pixels, two rows across its panels, while the
+# rebuild is the same bytes run after run on either machine, and the PDFs (vector) and tables are the same bytes on
+# both. So: PDFs, CSVs and Markdown bit for bit, PNGs bit for bit or at most PNG_PIXELS_OFF of their pixels apart.
+PNG_PIXELS_OFF = 1e-4
+
+
+def _differing(committed: dict, rebuilt: dict) -> list:
+    """The files of ``committed`` whose rebuild differs: any byte, or for a PNG more than PNG_PIXELS_OFF of its
+    pixels (decoded; a different shape is a difference)."""
+    import io
+
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    off = []
+    for p, data in committed.items():
+        if rebuilt[p] == data:
+            continue
+        if p.suffix == ".png":
+            a, b = (mpimg.imread(io.BytesIO(x), format="png") for x in (data, rebuilt[p]))
+            if a.shape == b.shape and (a != b).any(axis=-1).mean() <= PNG_PIXELS_OFF:
+                continue
+        off.append(p)
+    return off
+
+
 def test_figures_rebuild_from_committed_tables_byte_identically(wf_with_results):
     # The figures-only entry point includes no training rule: it needs nothing but the committed tables,
-    # and its output equals the committed figures bit for bit (seeded bootstrap, no timestamps).
+    # and its output equals the committed figures bit for bit (seeded bootstrap, no timestamps; PNGs: _differing).
     wf = wf_with_results
     committed = {p.relative_to(wf): p.read_bytes() for p in (wf / "figures").rglob("*") if p.is_file()}
     assert committed, "no committed figures"
@@ -270,7 +298,7 @@ def test_figures_rebuild_from_committed_tables_byte_identically(wf_with_results)
     assert res.returncode == 0, res.stderr[-3000:]
     rebuilt = {p.relative_to(wf): p.read_bytes() for p in (wf / "figures").rglob("*") if p.is_file()}
     assert rebuilt.keys() == committed.keys()
-    assert [p for p in committed if rebuilt[p] != committed[p]] == []
+    assert _differing(committed, rebuilt) == []
     assert not (wf / "work").exists()  # nothing was trained or built
     # `make figures` (the same command with a forked worker per core, no Snakemake) writes the same bytes
     shutil.copy(ROOT / "Makefile", wf / "Makefile")
@@ -283,7 +311,7 @@ def test_figures_rebuild_from_committed_tables_byte_identically(wf_with_results)
     assert (f"({cores} processes)" if cores > 1 else "(1 process)") in res.stdout, res.stdout[-2000:]
     rebuilt = {p.relative_to(wf): p.read_bytes() for p in (wf / "figures").rglob("*") if p.is_file()}
     assert rebuilt.keys() == committed.keys()
-    assert [p for p in committed if rebuilt[p] != committed[p]] == []
+    assert _differing(committed, rebuilt) == []
 
 
 def test_figures_entry_point_is_one_job_whatever_the_number_of_sweeps(wf_with_results):

@@ -42,7 +42,7 @@ ATTRIBUTION_SWEEPS = [
 rule all:
     default_target: True
     input:
-        [figure_targets(s, s in ATTRIBUTION_SWEEPS) for s in SWEEPS],
+        [figure_targets(s, s in ATTRIBUTION_SWEEPS, s in STRESS_SWEEPS) for s in SWEEPS],
         [stress_figure_targets(s, s in DOSE_SWEEPS) for s in STRESS_SWEEPS],
 
 
@@ -75,7 +75,7 @@ rule all_figures:
             for s in DOSE_SWEEPS
         ],
     output:
-        [figure_targets(s, s in ATTRIBUTION_SWEEPS) for s in SWEEPS],
+        [figure_targets(s, s in ATTRIBUTION_SWEEPS, s in STRESS_SWEEPS) for s in SWEEPS],
         [stress_figure_targets(s, s in DOSE_SWEEPS) for s in STRESS_SWEEPS],
     log:
         "logs/figures.log",

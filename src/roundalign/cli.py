@@ -65,7 +65,8 @@ def _add_figure_verbs(sub) -> None:
                          "attribution.csv)")
     pl.add_argument("--stress", action="store_true",
                     help="also the stress figures (as plot-stress) of each aggregate directory holding "
-                         "stress_runs.csv")
+                         "stress_runs.csv; without --figures, such a directory gets fig_probe and summary of the "
+                         "per-model figures (the others repeat what its stress figures show per dose)")
     pl.add_argument("--jobs", type=int, default=1,
                     help="worker processes drawing the figures (forked, same bytes as one process; default 1)")
 

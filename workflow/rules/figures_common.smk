@@ -27,15 +27,22 @@ STRESS_FIGURE_STEMS = [
 CONDA_ENV = "../../environment.yml"
 
 
-def figure_stems(attribution=False):
+# the per-model figures of a sweep with a dose axis (stress: in its config; its aggregate holds stress_runs.csv),
+# drawn beside its stress figures: roundalign.analysis.plots.STRESS_SWEEP_FIGURES (the rest repeat the stress figures)
+STRESS_SWEEP_FIGURE_STEMS = ["fig_probe"]
+
+
+def figure_stems(attribution=False, stress=False):
+    if stress:
+        return STRESS_SWEEP_FIGURE_STEMS
     return FIGURE_STEMS + (ATTRIBUTION_FIGURE_STEMS if attribution else [])
 
 
-def figure_targets(sweep, attribution=False):
+def figure_targets(sweep, attribution=False, stress=False):
     return expand(
         "figures/{sweep}/{stem}.{ext}",
         sweep=sweep,
-        stem=figure_stems(attribution),
+        stem=figure_stems(attribution, stress),
         ext=["png", "pdf"],
     ) + expand("figures/{sweep}/summary.{ext}", sweep=sweep, ext=["csv", "md"])
 

@@ -33,6 +33,12 @@ FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, 
 # figures drawn only from a table that not every aggregate holds: stem -> that table. Left out (all figures asked
 # for) where it is absent; asked for by name, a missing table is an error.
 OPTIONAL_FIGURES = {fig_attribution.STEM: fig_attribution.TABLE}
+# The figures of a sweep with a dose axis (its aggregate holds stress_runs.csv: the stress and dose experiments) when
+# all are drawn with its stress figures (make figures): the probe and the summary table. The other per-model figures
+# repeat there what the stress figures show per dose with intervals over runs (fig_reward: stress_reward; fig_k3,
+# fig_logp_diff and fig_is_ratio, the token mismatch per step: stress_mismatch), or an axis such a sweep does not have
+# (fig_attn: the trainer's attention); drawing them cost a quarter of `make figures`.
+STRESS_SWEEP_FIGURES = (fig_probe.STEM, summary.STEM)
 
 CAPTIONS: dict[str, str] = {
     "fig_reward": (
@@ -114,14 +120,17 @@ _POOL: dict = {}  # what a forked worker inherits: (tables, out_dir) per sweep, 
 
 def _tasks(pairs, figures, stress, every=False) -> list[tuple[int, str, str]]:
     """(sweep index, kind, stem) of every file group to make, in the canonical (serial) order. With ``every`` (no
-    figure named) an optional figure is made only for an aggregate that holds its table."""
+    figure named) an optional figure is made only for an aggregate that holds its table, and with ``stress`` too an
+    aggregate with stress tables gets ``STRESS_SWEEP_FIGURES`` only, besides its stress figures."""
     from roundalign.analysis.plots import stress as stress_plots
 
     tasks = []
     for i, (agg, _) in enumerate(pairs):
+        dose_axis = stress and agg.has("stress_runs")
         tasks += [(i, "figure", stem) for stem in figures
-                  if not (every and stem in OPTIONAL_FIGURES and not agg.has(OPTIONAL_FIGURES[stem]))]
-        if stress and agg.has("stress_runs"):
+                  if not (every and ((stem in OPTIONAL_FIGURES and not agg.has(OPTIONAL_FIGURES[stem]))
+                                     or (dose_axis and stem not in STRESS_SWEEP_FIGURES)))]
+        if dose_axis:
             tasks += [(i, "stress", stem) for stem in stress_plots.STEMS] + [(i, "stress", "stress_summary")]
         if stress and agg.has("dose_outcome"):  # the dose experiment (plots/dose.py)
             tasks.append((i, "dose", "dose_gain"))
@@ -151,7 +160,8 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
     """``make_all`` for each (aggregate_dir, out_dir) of ``pairs``, and with ``stress`` also the stress figures
     (``roundalign.analysis.plots.stress``) of every aggregate directory that holds stress_runs.csv; returns the written paths
     in the serial order whatever ``jobs`` is. Without ``figures``, ``OPTIONAL_FIGURES`` are made where their table
-    is there (fig_attribution where the aggregate holds attribution.csv).
+    is there (fig_attribution where the aggregate holds attribution.csv), and with ``stress`` an aggregate that holds
+    stress_runs.csv gets ``STRESS_SWEEP_FIGURES`` of the per-model figures.
 
     Every table is read once, in this process, before any figure is drawn. With ``jobs`` > 1 the figures are drawn
     by that many forked worker processes, which inherit the imports and the tables (nothing is pickled but the
@@ -199,4 +209,4 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
     return paths
 
 
-__all__ = ["CAPTIONS", "FIGURES", "FORMATS", "OPTIONAL_FIGURES", "make_all", "make_sweeps", "load_table", "tables"]
+__all__ = ["CAPTIONS", "FIGURES", "FORMATS", "OPTIONAL_FIGURES", "STRESS_SWEEP_FIGURES", "make_all", "make_sweeps", "load_table", "tables"]
