@@ -232,32 +232,24 @@ def onpolicy_baseline(row):
     _in(row["value"], f"medians {_sci(min(meds))} to {_sci(max(meds))}")
 
 
-def _learning(sweep: str):
-    """Per arm (model, variant): mean over seeds of the step-1 reward and of the last 10 steps' mean reward."""
-    arms = defaultdict(list)
-    for (m, v, _), steps in per_step(sweep, "reward/mean").items():
-        last = sorted(steps)[-10:]
-        arms[(m, v)].append((steps[1], st.mean(steps[k] for k in last)))
-    return {k: (st.mean(a for a, _ in x), st.mean(b for _, b in x)) for k, x in arms.items()}
-
-
-def vllm_cpu_learning(row):
-    arms = _learning("vllm-cpu")
-    up = {k: last - first for k, (first, last) in arms.items() if last > first}
-    down = {k: last - first for k, (first, last) in arms.items() if last <= first}
-    _in(row["value"], f"{len(up)} of {len(arms)} arms", _range(min(up.values()), max(up.values()), "+.2f", " to "),
-        _range(min(down.values()), max(down.values()), "+.3f", " to "))
-
-
-def smoke_learning(row):
-    """Learning against the initial policy: each run's held-out reward before step 1 and after step 60."""
-    runs = _csv("results/smoke/aggregate/run_status.csv")
+def _heldout_learning(row, sweep: str):
+    """Learning against the initial policy: each run's held-out reward before step 1 and after the last step."""
+    runs = _csv(f"results/{sweep}/aggregate/run_status.csv")
     init = [float(r["heldout_initial"]) for r in runs]
     gains = [float(r["heldout_final"]) - float(r["heldout_initial"]) for r in runs]
     above = sum(float(r["heldout_final_ci_low"]) > float(r["heldout_initial"]) for r in runs)
     assert max(init) <= 0.6, "every arm leaves headroom at the start"
+    assert min(gains) > 0, "every run ends above its initial policy"
     _in(row["value"], f"initial {min(init):.2f}-{max(init):.2f}", _range(min(gains), max(gains), "+.2f", " to "),
-        f"{above} of {len(runs)} arms")
+        f"{above} of {len(runs)}")
+
+
+def smoke_learning(row):
+    _heldout_learning(row, "smoke")
+
+
+def vllm_cpu_learning(row):
+    _heldout_learning(row, "vllm-cpu")
 
 
 def smoke_k3_baseline_rope(row):
