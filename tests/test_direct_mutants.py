@@ -1094,3 +1094,21 @@ def test_the_default_kernels_are_compiled_only_for_the_cpu_compiled_engine_on_bf
         "eager", "eager", "compiled", "eager"]
     assert default_kernels("vllm-cpu-compiled", torch.float32) == "eager"
     assert alignment_of(apply_alignment(random_qwen("qwen2"), "full", "vllm-cpu-compiled"))[2] == "compiled"
+
+
+def test_the_train_configs_kernels_default_to_the_engines_mode_and_a_named_mode_stays():
+    """TrainConfig's kernels=auto resolves to ``default_kernels``' choice when the config is built (run.json records
+    the mode that ran): the trainer and ``apply_alignment`` pick the same kernels for an engine unless told, and a
+    mode named explicitly stays."""
+    from roundalign.training.config import build_config
+
+    def kernels(**over):
+        return build_config(overrides={"model": "x", **over}).kernels
+
+    assert kernels(backend="vllm", engine="vllm-cpu-compiled") == "compiled"
+    assert kernels(backend="vllm", engine="vllm-cpu-eager") == "eager"
+    assert kernels(engine="vllm-cpu-compiled") == "compiled"  # the emulated compiled CPU engine too
+    assert kernels(engine="vllm-compiled") == "eager" and kernels(engine="vllm-eager") == "eager"
+    assert kernels(engine="vllm-cpu-compiled", variant="fp32") == "eager"  # fp32: the only bitwise no-op
+    assert kernels(backend="vllm", engine="vllm-cpu-compiled", kernels="eager") == "eager"
+    assert kernels(engine="vllm-eager", kernels="compiled") == "compiled"

@@ -91,35 +91,42 @@ def test_decode_and_gemm_are_exactly_zero_on_this_cpu_with_the_engines_own_gemm_
 
 def test_the_gemm_equalization_runs_vllms_own_kernel(monkeypatch):
     """The equalized trainer linear is vLLM-CPU's own GEMM, whichever kernel its dispatch picks on this CPU (SGL's
-    AMX-packed ``weight_packed_linear_cpu`` where ``check_cpu_sgl_kernel`` allows it, else oneDNN's ``onednn_mm``),
-    not F.linear in disguise: the op is seen running, and its output is that op's on a freshly packed weight."""
+    AMX-packed ``weight_packed_linear_cpu`` where ``check_cpu_sgl_kernel`` allows it, else oneDNN's ``onednn_mm``
+    where oneDNN can build a bf16 matmul, else its own fallback, ``torch.nn.functional.linear``: an AVX2 CPU without
+    AVX-512, where ``create_onednn_mm`` raises), not F.linear in disguise: the op is seen running, and its output is
+    that op's on a freshly packed weight."""
     from roundalign.bridge.vllm_internals import cpu_gemm_utils
 
     U = cpu_gemm_utils()
     ops, N, K = U.ops, 128, 1024
     if U.current_platform.is_zen_cpu() and hasattr(torch.ops, "zentorch"):
         pytest.skip("zentorch is installed: vLLM dispatches this CPU's GEMMs to zentorch, which this test does not cover")
-    if U.check_cpu_sgl_kernel(N, K, torch.bfloat16):
-        kernel = "weight_packed_linear_cpu"
-        reference = lambda x, w: ops.weight_packed_linear_cpu(x, torch.ops._C.convert_weight_packed(w), N, None)
-    elif ops._supports_onednn:
-        kernel = "onednn_mm"
-        reference = lambda x, w: ops.onednn_mm(ops.create_onednn_mm(w.t(), 32), x, None)
-    else:
-        pytest.fail("this vLLM build has neither SGL's packed GEMM for this shape nor oneDNN: nothing to equalize to")
-    calls = []
-    for name in ("weight_packed_linear_cpu", "onednn_mm"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N, bias=False).to(torch.bfloat16)
+    w = lin.weight.detach().clone()
+    # the kernel, decided as vLLM's dispatch_cpu_unquantized_gemm decides it (utils.py of 0.31.0), from the ops
+    if U.check_cpu_sgl_kernel(N, K, torch.bfloat16):
+        kernel = "weight_packed_linear_cpu"
+        reference = lambda x: ops.weight_packed_linear_cpu(x, torch.ops._C.convert_weight_packed(w), N, None)
+    else:
+        assert ops._supports_onednn, "this vLLM build has neither SGL's packed GEMM for this shape nor oneDNN"
+        try:
+            handler = ops.create_onednn_mm(w.t(), 32)
+            kernel, reference = "onednn_mm", lambda x: ops.onednn_mm(handler, x, None)
+        except RuntimeError:  # "could not create a primitive descriptor for the matmul primitive" (AVX2)
+            kernel, reference = "linear", lambda x: torch.nn.functional.linear(x, w)
+    calls = []
+    for owner, name in ((ops, "weight_packed_linear_cpu"), (ops, "onednn_mm"), (torch.nn.functional, "linear")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     fwd = A._vllm_cpu_gemm(lin)
     x = torch.randn(20, K, dtype=torch.bfloat16)
     got = fwd(x)
     assert calls == [kernel], (calls, kernel)
     monkeypatch.undo()
-    assert torch.equal(got, reference(x, lin.weight.detach().clone()))
-    # measured on both CPU kinds (AMD EPYC: oneDNN, Intel with AMX): at the trainer's M it is bitwise F.linear
+    assert torch.equal(got, reference(x))
+    # measured on three CPU kinds (AMD EPYC with AVX-512 and Intel with AMX: oneDNN at this shape; AMD EPYC with AVX2
+    # only: vLLM's F.linear fallback): at the trainer's M it is bitwise F.linear
     assert torch.equal(got, torch.nn.functional.linear(x, lin.weight))
 
 

@@ -77,7 +77,7 @@ from torch import nn
 
 from roundalign.numerics import mantissa
 from roundalign.numerics import regions
-from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, plan_for
+from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, default_kernel_mode, plan_for
 
 SUPPORTED_MODEL_CLASSES = tuple(f"Qwen{v}{head}" for v in ("2", "3") for head in (
     "ForCausalLM", "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"))
@@ -375,12 +375,12 @@ def _uninstall(module: nn.Module) -> None:
 
 
 def default_kernels(engine: str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The region kernel mode ``apply_alignment`` uses for ``engine`` when none is named: ``compiled`` against
-    vLLM-CPU's compiled engine on a bf16/fp16 model (its graph is Inductor's too: the regions compiled by
-    Inductor reduce the RMSNorm mean as the engine does, which made every token bitwise where eager kernels left
-    1 of 449 apart, ``tests/vllm_cpu/test_real_engine.py``), ``eager`` otherwise (the exact reference, and the
-    only mode that is a bitwise no-op on an fp32 model)."""
-    return "compiled" if check_engine(engine) == "vllm-cpu-compiled" and dtype != torch.float32 else "eager"
+    """The region kernel mode ``apply_alignment`` uses for ``engine`` when none is named
+    (``plan.default_kernel_mode``): ``compiled`` against vLLM-CPU's compiled engine on a bf16/fp16 model (its graph
+    is Inductor's too: the regions compiled by Inductor reduce the RMSNorm mean as the engine does, which made every
+    token bitwise where eager kernels left 1 of 449 apart, ``tests/vllm_cpu/test_real_engine.py``), ``eager``
+    otherwise (the exact reference, and the only mode that is a bitwise no-op on an fp32 model)."""
+    return default_kernel_mode(check_engine(engine), fp32=dtype == torch.float32)
 
 
 def norm_modules(model: nn.Module) -> list[nn.Module]:

