@@ -404,6 +404,25 @@ def dose_probe(row):
         "baseline k3 " + ", ".join(_sci(b) for b in base))
 
 
+def dose_anchor(row):
+    """The real engine at the dose experiment's horizon: every arm's held-out reward, full + the engine's attention
+    at the floor, no collapse."""
+    runs = _csv("results/dose-anchor/aggregate/run_status.csv")
+    init = {r["heldout_initial"] for r in runs}
+    assert len(init) == 1, "one warm start, one engine, seeded requests: one initial reward"
+    arms = defaultdict(list)
+    for r in runs:
+        arms[(r["attn"], r["variant"])].append(r)
+    finals = [st.mean(float(r["heldout_final"]) for r in v) for v in arms.values()]
+    gains = [st.mean(float(r["heldout_final"]) - float(r["heldout_initial"]) for r in v) for v in arms.values()]
+    floor = [v for (m, var, _), s in per_step("dose-anchor", "mismatch/token/k3").items()
+             if var == "full" and m.endswith(".vllm_cpu") for v in s.values()]
+    collapsed = sum(bool(r["collapse_step"]) for r in runs)
+    _in(row["value"], f"initial {float(init.pop()):.3f}", _range(min(finals), max(finals), ".3f", "-"),
+        _range(min(gains), max(gains), "+.3f", " to "), f"at most {_sci(max(floor))} over {len(floor)} steps",
+        f"{collapsed} of {len(runs)}")
+
+
 def dose_outcome(row):
     """The pre-registered comparison, from the aggregate's gain and test tables (analysis/dose.py wrote them)."""
     gain = {(int(r["dose"]), r["variant"]): r for r in _csv("results/dose/aggregate/dose_gain.csv")}
@@ -478,6 +497,7 @@ CHECKS = {
     "smoke: `full` per-step k3": smoke_k3_full,
     "smoke: the probe, `full` bitwise on every token": smoke_probe,
     "smoke: every arm ends above its initial policy": smoke_learning,
+    "the dose experiment's real-engine anchor": dose_anchor,
     "stress: the dose, mean \\|Δ logp\\| per token": stress_dose,
     "stress: final reward per dose": stress_final_reward,
     "stress: collapse events": stress_collapses,
