@@ -159,9 +159,8 @@ def test_grpo_with_the_engines_attention_is_on_policy_against_the_real_engine(sf
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     sets = {**FAST, "steps": 4, "learning_rate": 2e-3, "attn": "vllm_cpu", "heldout_prompts": 8, "heldout_samples": 2}
     for variant in ("full", "baseline"):
-        # a process per run, as a sweep runs them: vLLM keeps process-global state from the first engine a process
-        # builds, and a compiled engine built after an eager one in the same process left full at a token k3 of
-        # 5e-5..1.6e-4 at every step (AMD EPYC, AVX2; docs/testing.md)
+        # a process per run, as a sweep runs them: a second run in a process whose first trained against the other
+        # engine mode was off policy (full at a token k3 of 2e-6..1.6e-4; AMD EPYC, AVX2; an open gap, docs/testing.md)
         cmd = [sys.executable, "-m", "roundalign", "train", "--model", sft_model, "--variant", variant, "--backend",
                "vllm", "--engine", engine, "--out", str(tmp_path / variant),
                *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])]
