@@ -39,6 +39,7 @@ RESIDUALS = ("bf16", "fp32", "fp32-read", "fp32-stream")
 #: how the fp32 regions run (``apply_alignment(kernels=...)``, ``regions.region_kernels``): separate torch ops, or
 #: one Inductor kernel per region
 KERNEL_MODES = ("eager", "compiled")
+VARIANTS = ("baseline", "rope", "swiglu", "norm", "full")
 
 
 def default_kernel_mode(engine: str, fp32: bool = False) -> str:
@@ -48,7 +49,6 @@ def default_kernel_mode(engine: str, fp32: bool = False) -> str:
     engine's norm reduction orders both modes are bitwise against the compiled engine; compiled kernels are the
     cheaper there."""
     return "compiled" if engine == "vllm-cpu-compiled" and not fp32 else "eager"
-VARIANTS = ("baseline", "rope", "swiglu", "norm", "full")
 
 
 @dataclass(frozen=True)

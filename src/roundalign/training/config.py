@@ -21,6 +21,7 @@ from roundalign.numerics.plan import CPU_ENGINES, ENGINES, KERNEL_MODES, VARIANT
 
 BACKENDS = ("emulated", "vllm")
 TASKS = ("arith", "math", "digits")
+TRAIN_KERNEL_MODES = ("auto", *KERNEL_MODES)  # auto: resolved to default_kernel_mode in __post_init__
 DIGITS_OPS = ("copy", "reverse", "sort")
 # fp32-head: LM head and logits in fp32 on both sides (TRL's cast_lm_head_to_fp32; MiniMax-M1's fp32 head), with
 # baseline numerics elsewhere; full+fp32-head adds it to full; fp32: everything in fp32 on both sides, the floor
@@ -119,9 +120,9 @@ class TrainConfig:
                 "the regions its variant aligns the same way, with a straight-through gradient.")
     splitk_chunk: int = _setting(64, help="K-chunk of the emulated split-K GEMM, in elements.")
     kernels: str = _setting(
-        "auto", choices=("auto", *KERNEL_MODES),
+        "auto", choices=TRAIN_KERNEL_MODES,
         help="How aligned regions run in the trainer: "
-             + _one_of(("auto", *KERNEL_MODES), {"auto": "the mode that matches the engine, resolved when the config "
+             + _one_of(TRAIN_KERNEL_MODES, {"auto": "the mode that matches the engine, resolved when the config "
                                                          "is built: compiled for vllm-cpu-compiled unless fp32, else "
                                                          "eager", "eager": "separate torch ops",
                                                  "compiled": "torch.compile"}) + ".")
