@@ -92,3 +92,22 @@ def test_trainer_hooks_used_by_fp32_master_weights():
     assert "return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)" in src(
         Trainer._clip_grad_norm)
     assert "return self._compute_loss(model, inputs)" in src(GRPOTrainer.compute_loss)
+
+
+def test_the_fused_head_that_engine_scoring_replaces():
+    # add_engine_scored_lm_head (scoring=engine) replaces the instance forward add_fused_lm_head installs and returns
+    # what it returns: the calling convention, the output's fields, and where GRPOTrainer installs it
+    body = src(trl_utils.add_fused_lm_head)
+    assert "model.forward = types.MethodType(_fused_forward, model)" in body
+    assert "@functools.wraps(type(model).forward)" in body
+    assert "self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs" in body
+    assert "hidden_states = backbone_outputs.last_hidden_state[:, :-1]" in body and "labels = labels[:, 1:]" in body
+    fields = set(trl_utils.FusedCausalLMOutput.__dataclass_fields__)
+    assert {"loss", "log_probs", "entropy", "label_mask"} <= fields
+    init = src(GRPOTrainer.__init__)
+    assert 'outputs=("log_probs", "entropy"),' in init
+    assert "add_fused_lm_head(\n                self.ref_model, temperature=self.temperature" in init
+    # every TRL read of the head's output that the engine-scored head fills
+    uses = src(GRPOTrainer)
+    for read in ("outputs.log_probs[:, -logits_to_keep:]", "outputs.entropy[:, -logits_to_keep:]"):
+        assert read in uses, read

@@ -32,6 +32,7 @@ VLLM_MODES = ("colocate", "server")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 PROMPT_STYLES = ("fixed", "variable")
 DTYPES = ("bf16", "fp16", "fp32")
+SCORINGS = ("trl", "engine")
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,14 @@ class TrainConfig:
                                                          "is built: compiled for vllm-cpu-compiled unless fp32, else "
                                                          "eager", "eager": "separate torch ops",
                                                  "compiled": "torch.compile"}) + ".")
+    scoring: str = _setting(
+        "trl", choices=SCORINGS,
+        help="How the trainer computes each sampled token's log-prob (the loss, the old and reference log-probs and "
+             "the mismatch metrics): " + _one_of(SCORINGS, {
+                 "trl": "TRL's fused LM head, an online log-sum-exp over vocabulary tiles",
+                 "engine": "the engine sampler's formula (roundalign.numerics.sampler): the head's logits in fp32, "
+                           "divided by the temperature, log-softmax over the whole vocabulary, with a gradient; "
+                           "bitwise the engine's processed logprobs where the hidden states are"}) + ".")
     task: str = _setting(
         "arith", choices=TASKS,
         help=_one_of(TASKS, {

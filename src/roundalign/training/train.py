@@ -588,6 +588,10 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
             model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer,
             rollout_func=make_rollout(engine, tokenizer, cfg) if engine is not None else None,
             callbacks=[RunCallback(files, cfg, state, log), *callbacks, *([deadline] if deadline else [])])
+    if cfg.scoring == "engine":
+        from roundalign.training.trl_bridge import use_engine_scoring
+
+        use_engine_scoring(trainer)  # TRL's fused LM head -> the engine sampler's formula (policy and reference)
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
     # the real engine's checks (stops here, before step 1, on a mismatch) and what decides its rounding, in run.json
     record, orders = after_trainer(trainer, model, cfg, log)

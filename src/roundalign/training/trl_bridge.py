@@ -21,6 +21,12 @@
    fp16 scales the loss gradient. Under DeepSpeed and FSDP the masters are theirs (configs/accelerate/).
 6. ``_save_checkpoint`` / ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_save_rng_state``: Trainer's save
    path, unchanged, with the fault-injection points of ``roundalign.training.checkpoints`` between its files (tests).
+7. ``add_engine_scored_lm_head`` (``TrainConfig.scoring = "engine"``): TRL's ``GRPOTrainer.__init__`` installs its
+   fused LM head (``trl.trainer.utils.add_fused_lm_head``: an instance ``forward`` that, called with
+   ``fused_lm_head=True``, returns a ``FusedCausalLMOutput`` of per-token log-probs and entropies). We replace that
+   instance forward by one with the same calling convention whose log-probs are the engine sampler's formula
+   (``roundalign.numerics.sampler``), so every TRL code path that scores tokens (the loss, the old and reference
+   log-probs, our mismatch metrics) scores them as the engine does.
 5. ``vllm_llm_overrides``: TRL's colocated ``vllm.LLM(...)`` call has no ``enforce_eager`` or ``dtype``
    argument; for ``--engine vllm-eager`` and the fp16 variant we wrap the ``LLM`` name TRL's module uses.
 
@@ -33,6 +39,7 @@ import contextlib
 import functools
 import math
 import os
+import types
 
 import torch
 from trl import GRPOTrainer
@@ -383,3 +390,72 @@ def trl_recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch
         return out.log_probs[:, -logits_to_keep:]
     finally:
         del model.forward
+
+
+# Settings of a model's text config under which TRL's fused head transforms the logits (trl 1.16
+# ``add_fused_lm_head``): vLLM's LogitsProcessor has its own soft-cap and scale, and the engine-scored head does not
+# model them; a model that sets one is refused rather than scored in another way than the engine's.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                     "logits_scaling")
+
+
+def add_engine_scored_lm_head(model, temperature: float, entropy: bool = True) -> None:
+    """Replace the fused LM head TRL's ``GRPOTrainer`` installed on ``model`` by the engine's sampler formula
+    (``roundalign.numerics.sampler.engine_logprobs``, with its gradient): ``model(..., labels=labels,
+    fused_lm_head=True)`` then returns TRL's ``FusedCausalLMOutput`` with ``log_probs`` bitwise what vLLM's
+    sampler returns for the same hidden states (``processed_logprobs`` at ``temperature``, top-k/top-p off),
+    and ``entropy`` of that distribution when ``entropy``. Without ``fused_lm_head`` the call goes to TRL's
+    forward as before (generation is unchanged). Raises RuntimeError when TRL's head is not there (TRL changed),
+    ValueError for a model whose logits TRL would transform (soft-cap, logit scale) or an MoE router loss."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    from roundalign.numerics.sampler import engine_logprobs
+
+    trl_forward = vars(model).get("forward")
+    if trl_forward is None or getattr(trl_forward.__func__, "__wrapped__", None) is not type(model).forward:
+        raise RuntimeError("the model carries no fused LM head of TRL's (trl.trainer.utils.add_fused_lm_head, "
+                           "installed by GRPOTrainer.__init__ in trl 1.16): scoring as the engine does replaces it, "
+                           "and TRL's scoring path has changed")
+    text_config = model.config.get_text_config()
+    set_ = [a for a in _LOGIT_TRANSFORMS if getattr(text_config, a, None) not in (None, 1, 1.0)]
+    if set_:
+        raise ValueError(f"scoring=engine: {type(model).__name__} sets {', '.join(set_)}; the engine-scored head "
+                         "computes unscaled, uncapped logits only")
+    if getattr(text_config, "output_router_logits", False):
+        raise ValueError("scoring=engine: MoE router losses (output_router_logits) are not supported")
+
+    @functools.wraps(type(model).forward)
+    def _engine_scored_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
+                               num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            return trl_forward(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                               **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:  # the hidden state at position i scores the token at i + 1
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        head = self.get_output_embeddings()
+        mask = labels != -100
+        # the head in its own dtype, as the engine runs it: no autocast (the runner trains without one)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logp, ent = engine_logprobs(hidden[mask], head.weight, head.bias, labels[mask], temperature,
+                                        entropy=entropy)
+        log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
+        ent = None if ent is None else ent.new_zeros(mask.shape).masked_scatter(mask, ent)
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=ent, label_mask=mask)
+
+    model.forward = types.MethodType(_engine_scored_forward, model)
+
+
+def use_engine_scoring(trainer: GRPOTrainer) -> None:
+    """``add_engine_scored_lm_head`` on the policy (with entropies, which TRL logs and masks with) and on the
+    reference model where there is one, at the trainer's temperature. Call after the trainer is built."""
+    from accelerate.utils import is_peft_model  # the check GRPOTrainer makes before adding its head
+
+    model = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
+    add_engine_scored_lm_head(model, trainer.temperature, entropy=True)
+    if getattr(trainer, "ref_model", None) is not None:
+        add_engine_scored_lm_head(trainer.ref_model, trainer.temperature, entropy=False)
