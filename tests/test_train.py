@@ -171,6 +171,22 @@ def test_full_stays_on_policy_through_training_while_baseline_does_not(sft_model
         assert b["mismatch/token/tokens_exact_frac"] == 0.0
 
 
+def test_scoring_as_the_engine_makes_every_token_bitwise_through_training(sft_model, tmp_path):
+    # scoring=engine: the trainer's logprob is the sampler's formula (fp32 logits / T, log-softmax): every token of
+    # every step equals the engine's bit for bit, after each weight sync. TRL's head gives the same loss to fp32
+    # rounding: step 1 (same weights, same samples) has the same gradient norm to 1e-4.
+    trl = run_train(cfg(sft_model, steps=4, variant="full"), tmp_path / "trl", **QUIET)
+    eng = run_train(cfg(sft_model, steps=4, variant="full", scoring="engine"), tmp_path / "eng", **QUIET)
+    assert trl.status == eng.status == "done"
+    rows, trl_rows = metrics(tmp_path / "eng"), metrics(tmp_path / "trl")
+    assert any(r["optim/grad_norm"] > 0 for r in rows[:-1])  # the weights move, so the syncs matter
+    for r in rows:
+        assert (r["mismatch/token/logp_abs_diff_max"], r["mismatch/token/tokens_exact_frac"],
+                r["mismatch/token/is_ratio_min"], r["mismatch/token/is_ratio_max"]) == (0.0, 1.0, 1.0, 1.0), r
+    assert all(r["mismatch/token/tokens_exact_frac"] < 1.0 for r in trl_rows)
+    assert rows[0]["optim/grad_norm"] == pytest.approx(trl_rows[0]["optim/grad_norm"], rel=1e-4)
+
+
 def test_under_a_dose_full_stays_at_the_floor_through_training_and_heldout_is_recorded(sft_model, tmp_path):
     # a 3-bit dose at the regions of the eager engine: `full` rounds where and as the engine does (k3 at the fp32
     # log-softmax floor on every step), `baseline` does not, and far above its undosed mismatch
@@ -330,10 +346,11 @@ def test_cli_exports_finished_runs_only(sft_model, tmp_path):
     assert json.loads((tmp_path / "exp/run.json").read_text())["status"] == "done"
 
 
-def test_reference_model_rounds_like_the_policy(sft_model, tmp_path):
-    # beta > 0: TRL builds a reference model. Aligned like the policy, their KL is exactly 0 before the
-    # first update and positive after it (unaligned, step 1 showed the alignment itself: ~4e-4 nats).
-    res = run_train(cfg(sft_model, steps=2, beta=0.04), tmp_path / "kl", **QUIET)
+@pytest.mark.parametrize("scoring", ["trl", "engine"])
+def test_reference_model_rounds_like_the_policy(sft_model, tmp_path, scoring):
+    # beta > 0: TRL builds a reference model. Aligned like the policy (and scored like it), their KL is exactly 0
+    # before the first update and positive after it (unaligned, step 1 showed the alignment itself: ~4e-4 nats).
+    res = run_train(cfg(sft_model, steps=2, beta=0.04, scoring=scoring), tmp_path / "kl", **QUIET)
     kl = [r["policy/kl"] for r in metrics(tmp_path / "kl")]
     assert res.status == "done" and kl[0] == 0.0 and kl[1] > 0.0
 

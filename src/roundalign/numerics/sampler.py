@@ -25,8 +25,9 @@ penalties, no logit bias, no min_p. Top-k/top-p change the engine's distribution
 would have to model the truncated distribution; the runner samples with both off.
 
 The backward is the gradient of that formula: d logp_target / dx = onehot - softmax(x), times 1/T, cast back to the
-logits' dtype as the forward's upcast is, then the LM head's GEMM gradient accumulated over chunks in fp32 (as TRL's
-kernel accumulates it). The entropy (of the same distribution, for TRL's metrics and entropy masks) has its own
+logits' dtype as the forward's upcast is, then the LM head's GEMM gradients: a row's hidden-state gradient in one
+GEMM in the head's dtype (F.linear's own backward), the weight's and bias' summed over the chunks in fp32 (as TRL's
+kernel sums them). The entropy (of the same distribution, for TRL's metrics and entropy masks) has its own
 gradient, -p (log p + H).
 """
 
@@ -39,6 +40,8 @@ from torch import Tensor
 #: fp32 elements of one chunk's (rows x vocab) logits: 2^24 is 64 MiB, ~110 rows of a 152k vocabulary. A chunk holds
 #: the head's output, its fp32 copy and the log-softmax (and, in the backward, the gradient) at once.
 CHUNK_ELEMENTS = 1 << 24
+#: head rows converted to fp32 at a time in the backward (TRL's vocabulary chunk)
+VOCAB_TILE = 32768
 
 
 def chunk_rows(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
@@ -93,10 +96,12 @@ class EngineLogprobFunction(torch.autograd.Function):
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None, None
         n, t = hidden.shape[0], ctx.temperature
-        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        # fp32 GEMMs on the gradient rounded to the logits' dtype, the head taken in vocabulary tiles of VOCAB_TILE
+        # rows (one tile's fp32 copy at a time): a CPU without native bf16 runs them far faster than bf16 GEMMs, and
+        # the weight's and bias' gradients sum over the chunks in fp32, as TRL's kernel sums them
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        h_compute = hidden.to(weight.dtype)
         for s in range(0, n, ctx.rows):
             e = min(s + ctx.rows, n)
             lp = _scaled_logits(hidden[s:e], weight, bias, t).log_softmax(dim=-1, dtype=torch.float32)
@@ -108,15 +113,21 @@ class EngineLogprobFunction(torch.autograd.Function):
                 grad_x.scatter_add_(-1, targets[s:e].unsqueeze(-1), g)
             if grad_entropy is not None:  # d H / dx_j = -p_j (log p_j + H)
                 grad_x.sub_(grad_entropy[s:e].float().unsqueeze(-1) * p * (lp + entropy[s:e].unsqueeze(-1)))
+            del lp, p
             # through x / T, then the upcast of the head's output (its gradient is cast back to that dtype)
-            grad_logits = (grad_x / t).to(weight.dtype)
-            del lp, p, grad_x
+            grad_logits = grad_x.div_(t).to(weight.dtype)
+            del grad_x
+            g32 = grad_logits.float()
+            del grad_logits
             if grad_h is not None:
-                grad_h[s:e].addmm_(grad_logits.float(), weight.float())
+                grad_h[s:e].zero_()
+                for v in range(0, weight.shape[0], VOCAB_TILE):
+                    grad_h[s:e].addmm_(g32[:, v:v + VOCAB_TILE], weight[v:v + VOCAB_TILE].to(torch.float32))
             if grad_w is not None:
-                grad_w.addmm_(grad_logits.float().t(), h_compute[s:e].float())
+                grad_w.addmm_(g32.t(), hidden[s:e].to(torch.float32))
             if grad_b is not None:
-                grad_b.add_(grad_logits.sum(0, dtype=torch.float32))
+                grad_b.add_(g32.sum(0))
+            del g32
         return (grad_h.to(hidden.dtype) if grad_h is not None else None,
                 grad_w.to(weight.dtype) if grad_w is not None else None,
                 grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None)

@@ -23,9 +23,10 @@ from roundalign.training.trl_bridge import TRL_RENAMES
 # Printed once, before the first progress line that carries k3 (`full` shows exact=0.000 beside k3 ~1e-13)
 EXACT_LEGEND = (
     "[train] k3: per-token mismatch KL between the engine's sampling logprobs and the trainer's (nats); exact: "
-    "fraction of tokens whose two logprobs are equal bit for bit. The engine's sampler and TRL compute log-softmax "
-    "in different fp32 orders (~1e-7 nats apart), so exact stays near 0 against real vLLM even where k3 sits at "
-    "that floor (~1e-13) and the logits are bitwise equal")
+    "fraction of tokens whose two logprobs are equal bit for bit. With scoring=trl (the default) the engine's "
+    "sampler and TRL compute log-softmax in different fp32 orders (~1e-7 nats apart), so exact stays well below 1 "
+    "even where k3 sits at that floor (~1e-13) and the logits are bitwise equal; scoring=engine scores as the "
+    "sampler does")
 # A step whose loss, grad norm or k3 is not finite stops the run as collapsed
 CHECKED_FINITE = ("optim/loss", "optim/grad_norm", "mismatch/token/k3")
 

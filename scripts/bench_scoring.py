@@ -1,0 +1,107 @@
+"""Peak memory and time of scoring sampled tokens over a Qwen-sized vocabulary (151,936 x 1,536, bf16 head):
+the engine-scored head (scoring=engine, roundalign.numerics.sampler, chunks of rows), the same formula unchunked
+(plain autograd holds the [N, V] fp32 logits), and TRL 1.16's fused head (its online log-sum-exp over vocabulary
+tiles). Each arm runs forward + backward in a fresh process (its peak resident memory is that process's
+ru_maxrss), all in one run of this script, in turns. The chunked arm's log-probs are checked bitwise against
+the unchunked formula's (per-row GEMM bits: bf16 F.linear gives a row the same bits whatever other rows share
+the call on the CPUs measured).
+
+    .venv/bin/python scripts/bench_scoring.py [--tokens 512] [--rounds 2] [--out results/bench/scoring.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+VOCAB, HIDDEN = 151_936, 1_536
+ARMS = ("engine_chunked", "engine_unchunked", "trl_fused")
+
+
+def _arm(name: str, tokens: int) -> dict:
+    import resource
+
+    import torch
+
+    torch.manual_seed(0)
+    # made in bf16 directly: an fp32 temporary of the head (890 MiB) would set the process's peak before any arm runs
+    hidden = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16).requires_grad_()
+    weight = torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16).mul_(HIDDEN ** -0.5).requires_grad_()
+    targets = torch.randint(0, VOCAB, (tokens,))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    if name == "engine_chunked":
+        from roundalign.numerics.sampler import engine_logprobs
+
+        lp, ent = engine_logprobs(hidden, weight, None, targets, 1.0, entropy=True)
+    elif name == "engine_unchunked":
+        x = torch.nn.functional.linear(hidden, weight).float().div(torch.full((tokens, 1), 1.0)).log_softmax(-1)
+        lp, ent = x.gather(-1, targets[:, None]).squeeze(-1), -(x.exp() * x).sum(-1)
+    else:
+        from trl.kernels import ChunkedLogProbFunction
+
+        lp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0,
+                                                   ("log_probs", "entropy"))
+    (lp.sum() + 0.01 * ent.sum()).backward()
+    dt = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"arm": name, "seconds": dt, "peak_rss_mib": peak / 1024, "above_inputs_mib": (peak - base) / 1024,
+           "logp_sum": float(lp.detach().double().sum())}
+    if name == "engine_chunked":  # bitwise the unchunked formula, computed here without a gradient
+        with torch.no_grad():
+            from roundalign.numerics.sampler import engine_logprobs_reference
+
+            ref = engine_logprobs_reference(hidden.detach(), weight.detach(), None, targets, 1.0)
+        out["bitwise_unchunked"] = bool(torch.equal(lp.detach(), ref))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.arm:
+        print(json.dumps(_arm(a.arm, a.tokens)))
+        return 0
+    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for r in range(a.rounds):
+        order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]  # rotate which arm runs first
+        for arm in order:
+            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--tokens", str(a.tokens)],
+                                  capture_output=True, text=True, check=True)
+            results[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"[bench-scoring] round {r + 1} {arm}: {results[arm][-1]}", file=sys.stderr)
+    import torch
+
+    lines = [f"# scoring {a.tokens} tokens over a {VOCAB:,} x {HIDDEN:,} bf16 head, forward + backward, fresh process "
+             f"per arm, {a.rounds} rounds in turns (torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"{platform.processor() or platform.machine()}; scripts/bench_scoring.py)",
+             f"{'arm':18s} {'median s':>9s} {'peak RSS MiB':>13s} {'above inputs MiB':>17s}  bitwise unchunked"]
+    ref = statistics.median(x["seconds"] for x in results["engine_unchunked"])
+    for arm in ARMS:
+        xs = results[arm]
+        bit = {True: "yes", False: "NO"}.get(xs[0].get("bitwise_unchunked"), "-")
+        lines.append(f"{arm:18s} {statistics.median(x['seconds'] for x in xs):9.2f} "
+                     f"{max(x['peak_rss_mib'] for x in xs):13.0f} {max(x['above_inputs_mib'] for x in xs):17.0f}  {bit}")
+    lines.append(f"time ratio engine_chunked / engine_unchunked: "
+                 f"{statistics.median(x['seconds'] for x in results['engine_chunked']) / ref:.2f}; "
+                 f"trl_fused / engine_unchunked: {statistics.median(x['seconds'] for x in results['trl_fused']) / ref:.2f}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if a.out:
+        from roundalign.io import atomic_write_text
+
+        atomic_write_text(a.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
