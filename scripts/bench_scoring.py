@@ -1,8 +1,9 @@
 """Peak memory and time of scoring sampled tokens over a Qwen-sized vocabulary (151,936 x 1,536, bf16 head):
-the engine-scored head (scoring=engine, roundalign.numerics.sampler, chunks of rows), the same formula unchunked
-(plain autograd holds the [N, V] fp32 logits), and TRL 1.16's fused head (its online log-sum-exp over vocabulary
-tiles). Each arm runs forward + backward in a fresh process (its peak resident memory is that process's
-ru_maxrss), all in one run of this script, in turns. The chunked arm's log-probs are checked bitwise against
+the engine-scored head (scoring=engine, roundalign.numerics.sampler, chunks of rows) and TRL 1.16's fused head (its
+online log-sum-exp over vocabulary tiles), forward + backward; and the same formula unchunked, forward only with
+autograd's graph held (plain autograd keeps the [N, V] logits for its backward; its bf16 backward took 302 s for
+128 tokens on an AVX2 CPU, against 12 s chunked, so it is not timed). Each arm runs in a fresh process (its peak
+resident memory is that process's ru_maxrss), all in one run of this script, in turns. The chunked arm's log-probs are checked bitwise against
 the unchunked formula's (per-row GEMM bits: bf16 F.linear gives a row the same bits whatever other rows share
 the call on the CPUs measured).
 
@@ -20,7 +21,7 @@ import sys
 import time
 
 VOCAB, HIDDEN = 151_936, 1_536
-ARMS = ("engine_chunked", "engine_unchunked", "trl_fused")
+ARMS = ("engine_chunked", "trl_fused", "engine_unchunked")
 
 
 def _arm(name: str, tokens: int) -> dict:
@@ -42,12 +43,14 @@ def _arm(name: str, tokens: int) -> dict:
     elif name == "engine_unchunked":
         x = torch.nn.functional.linear(hidden, weight).float().div(torch.full((tokens, 1), 1.0)).log_softmax(-1)
         lp, ent = x.gather(-1, targets[:, None]).squeeze(-1), -(x.exp() * x).sum(-1)
+        del x  # the graph keeps what its backward needs
     else:
         from trl.kernels import ChunkedLogProbFunction
 
         lp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0,
                                                    ("log_probs", "entropy"))
-    (lp.sum() + 0.01 * ent.sum()).backward()
+    if name != "engine_unchunked":
+        (lp.sum() + 0.01 * ent.sum()).backward()
     dt = time.perf_counter() - t
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = {"arm": name, "seconds": dt, "peak_rss_mib": peak / 1024, "above_inputs_mib": (peak - base) / 1024,
@@ -63,7 +66,7 @@ def _arm(name: str, tokens: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
@@ -81,19 +84,20 @@ def main(argv=None) -> int:
             print(f"[bench-scoring] round {r + 1} {arm}: {results[arm][-1]}", file=sys.stderr)
     import torch
 
-    lines = [f"# scoring {a.tokens} tokens over a {VOCAB:,} x {HIDDEN:,} bf16 head, forward + backward, fresh process "
-             f"per arm, {a.rounds} rounds in turns (torch {torch.__version__}, {torch.get_num_threads()} threads, "
-             f"{platform.processor() or platform.machine()}; scripts/bench_scoring.py)",
-             f"{'arm':18s} {'median s':>9s} {'peak RSS MiB':>13s} {'above inputs MiB':>17s}  bitwise unchunked"]
-    ref = statistics.median(x["seconds"] for x in results["engine_unchunked"])
+    lines = [f"# scoring {a.tokens} tokens over a {VOCAB:,} x {HIDDEN:,} bf16 head, fresh process per arm, {a.rounds} "
+             f"rounds in turns (torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"{platform.processor() or platform.machine()}; scripts/bench_scoring.py). Peak RSS above inputs: the "
+             f"process's peak resident memory less what it held once the head and hidden states existed.",
+             f"{'arm':18s} {'what':22s} {'median s':>9s} {'peak RSS above inputs, MiB':>27s}  bitwise unchunked"]
+    what = {"engine_chunked": "forward + backward", "trl_fused": "forward + backward",
+            "engine_unchunked": "forward, graph held"}
     for arm in ARMS:
         xs = results[arm]
         bit = {True: "yes", False: "NO"}.get(xs[0].get("bitwise_unchunked"), "-")
-        lines.append(f"{arm:18s} {statistics.median(x['seconds'] for x in xs):9.2f} "
-                     f"{max(x['peak_rss_mib'] for x in xs):13.0f} {max(x['above_inputs_mib'] for x in xs):17.0f}  {bit}")
-    lines.append(f"time ratio engine_chunked / engine_unchunked: "
-                 f"{statistics.median(x['seconds'] for x in results['engine_chunked']) / ref:.2f}; "
-                 f"trl_fused / engine_unchunked: {statistics.median(x['seconds'] for x in results['trl_fused']) / ref:.2f}")
+        secs = f"{statistics.median(x['seconds'] for x in xs):9.2f}" if arm != "engine_unchunked" else f"{'-':>9s}"
+        lines.append(f"{arm:18s} {what[arm]:22s} {secs} {max(x['above_inputs_mib'] for x in xs):27.0f}  {bit}")
+    ratios = [c["seconds"] / t["seconds"] for c, t in zip(results["engine_chunked"], results["trl_fused"])]
+    lines.append(f"time engine_chunked / trl_fused per round: {', '.join(f'{r:.2f}' for r in ratios)}")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if a.out:
