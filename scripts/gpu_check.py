@@ -540,6 +540,66 @@ def check_sampler(device: torch.device, seed: int, vocab: int) -> list[dict]:
     return rows
 
 
+SCORING_HIDDEN = 1536  # Qwen2.5-1.5B's width: the head of the scoring check is SAMPLER_VOCAB x SCORING_HIDDEN
+
+
+def check_scoring(device: torch.device, seed: int, vocab: int, hidden_size: int = SCORING_HIDDEN) -> list[dict]:
+    """The training path of scoring=engine (roundalign.numerics.sampler.engine_logprobs: head GEMM, fp32 / T,
+    log-softmax, with a gradient) against the engine: vLLM's LM head as its CUDA path runs it (vocab_parallel_embedding
+    ``UnquantizedEmbeddingMethod.apply`` -> ``dispatch_unquantized_gemm`` -> ``default_unquantized_gemm``, F.linear;
+    VLLM_BATCH_INVARIANT off) in decode batches of SAMPLER_ENGINE_BATCH rows, then vLLM's Sampler (processed
+    logprobs, temperature only). ``head rows batch-independent``: rows whose bf16 logits are the same bits computed in
+    the engine's batches and in the trainer's chunks; the trainer's logprob can equal the engine's only on those."""
+    import torch.nn.functional as F
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    from roundalign.numerics.sampler import chunk_rows, engine_logprobs
+
+    n, b = SAMPLER_ROWS, SAMPLER_ENGINE_BATCH
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, hidden_size, generator=gen, device=device).to(BF16)
+    weight = (torch.randn(vocab, hidden_size, generator=gen, device=device) / hidden_size ** 0.5).to(BF16)
+    rows = []
+    for T in (1.0, 0.7):
+        sampler = Sampler(logprobs_mode="processed_logprobs")
+        tokens, engine_lp, engine_logits = [], [], []
+        for start in range(0, n, b):
+            m = min(b, n - start)
+            logits = F.linear(hidden[start:start + m], weight)  # the engine's head on one decode step's rows
+            engine_logits.append(logits)
+            md = SamplingMetadata(
+                temperature=torch.full((m,), T, dtype=torch.float32, device=device), all_greedy=False,
+                all_random=True, top_p=None, top_k=None,
+                generators={i: torch.Generator(device=device).manual_seed(seed + start + i) for i in range(m)},
+                max_num_logprobs=-1, no_penalties=True, prompt_token_ids=None,
+                frequency_penalties=torch.zeros(m, device=device), presence_penalties=torch.zeros(m, device=device),
+                repetition_penalties=torch.ones(m, device=device), output_token_ids=[[] for _ in range(m)],
+                allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+            out = sampler(logits.clone(), md)
+            t = out.sampled_token_ids[:, 0].long()
+            tokens.append(t)
+            engine_lp.append(out.logprobs_tensors.logprobs.gather(-1, t.view(-1, 1)).squeeze(-1))
+        tokens, engine_lp, engine_logits = torch.cat(tokens), torch.cat(engine_lp), torch.cat(engine_logits)
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        trainer_lp, _ = engine_logprobs(h, w, None, tokens, T)  # the trainer's chunks (chunk_rows(vocab) rows)
+        trainer_lp.sum().backward()  # the gradient path runs too
+        step = chunk_rows(vocab)
+        trainer_logits = torch.cat([F.linear(hidden[i:i + step], weight) for i in range(0, n, step)])
+        row = {"temperature": T, "rows": n, "engine_batch": b, "trainer_chunk": step, "vocab": vocab,
+               "hidden": hidden_size,
+               "tokens_bitwise_equal": float((trainer_lp.detach() == engine_lp).double().mean()),
+               "max_abs_diff": float((trainer_lp.detach() - engine_lp).abs().max()),
+               "head_rows_batch_independent": float((trainer_logits == engine_logits).all(-1).double().mean()),
+               "grad_finite": bool(torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all())}
+        rows.append(row)
+        print(f"[attribution] scoring T={T}: trainer == vLLM on {100 * row['tokens_bitwise_equal']:.2f}% of tokens; "
+              f"head rows batch-independent: {100 * row['head_rows_batch_independent']:.2f}%", flush=True)
+    return rows
+
+
 def _attribution_summary(run_dir: Path) -> dict:
     import csv
 
@@ -580,6 +640,11 @@ def check_attribution(device: torch.device, out: Path, seed: int, tiny: bool) ->
     except Exception as e:  # noqa: BLE001 - the runs below still tell something
         print(f"[attribution] sampler check failed: {type(e).__name__}: {e}", flush=True)
         result["sampler_error"] = f"{type(e).__name__}: {e}"
+    try:
+        result["scoring"] = check_scoring(device, seed, 4096 if tiny else SAMPLER_VOCAB, 256 if tiny else SCORING_HIDDEN)
+    except Exception as e:  # noqa: BLE001
+        print(f"[attribution] scoring check failed: {type(e).__name__}: {e}", flush=True)
+        result["scoring_error"] = f"{type(e).__name__}: {e}"
     from roundalign.models.tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_attribution_"))
@@ -634,6 +699,18 @@ def render_attribution(result: dict | None) -> str:
         lines.append("")
     if result.get("sampler_error"):
         lines += [f"sampler check failed: {result['sampler_error']}", ""]
+    if result.get("scoring"):
+        lines += ["Scoring (scoring=engine): hidden states through vLLM's LM head in decode batches of 16 and its Sampler, "
+                  "against the trainer's engine_logprobs (its row chunks, with a gradient).", "",
+                  "| T | vocab x hidden | trainer chunk | tokens equal | max abs diff | head rows batch-independent |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        for r in result["scoring"]:
+            lines.append(f"| {r['temperature']} | {r['vocab']} x {r['hidden']} | {r['trainer_chunk']} | "
+                         f"{100 * r['tokens_bitwise_equal']:.2f}% | {r['max_abs_diff']:.3g} | "
+                         f"{100 * r['head_rows_batch_independent']:.2f}% |")
+        lines.append("")
+    if result.get("scoring_error"):
+        lines += [f"scoring check failed: {result['scoring_error']}", ""]
     if result.get("runs"):
         lines += ["| engine | step 0 k3 | last step | last k3 | last exact | present | absent | run s |",
                   "|---|---:|---|---:|---:|---|---|---:|"]

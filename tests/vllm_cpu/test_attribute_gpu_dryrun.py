@@ -91,6 +91,7 @@ import inspect
 import json
 import types
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -559,3 +560,19 @@ def test_a_reciprocal_multiply_by_the_temperature_is_not_vllms_division():
     assert torch.equal(x / torch.full((64, 1), T, dtype=torch.float32), vllm_div)
     # at a power of two the reciprocal is exact and the two agree
     assert torch.equal(x * 0.5, x.clone().div_(torch.full((64, 1), 2.0)))
+
+
+def test_gpu_checks_scoring_part_runs_against_vllms_sampler_on_the_cpu():
+    # scripts/gpu_check.py part (g)'s scoring check (the training path of scoring=engine against vLLM's LM head in
+    # decode batches and its Sampler), on the CPU: the code a lent GPU will run, with the CPU build's sampler
+    # (forward_cpu: the same processed-logprobs formula). On this CPU every token is bitwise and every head row too.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[2] / "scripts/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    rows = gpu_check.check_scoring(torch.device("cpu"), seed=0, vocab=4096, hidden_size=256)
+    assert [r["temperature"] for r in rows] == [1.0, 0.7]
+    for r in rows:
+        assert r["grad_finite"] and r["head_rows_batch_independent"] == 1.0, r
+        assert (r["tokens_bitwise_equal"], r["max_abs_diff"]) == (1.0, 0.0), r
