@@ -48,19 +48,50 @@ def sft_model(tmp_path_factory):
     return str(pretrain_tiny(base, root / "tiny-sft", steps=300, **QUIET))
 
 
-@pytest.mark.parametrize("engine", ["vllm-cpu-eager"])
-def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tmp_path, engine):
+def _stock_dispatch_prepacks() -> bool:
+    """Whether vLLM-CPU's own GEMM dispatch prepacks a bf16 weight on this CPU, decided as its
+    dispatch_cpu_unquantized_gemm decides (utils.py of 0.31.0): SGL's packed GEMM where check_cpu_sgl_kernel allows
+    it, else oneDNN where create_onednn_mm builds a matmul, else its torch.nn.functional.linear fallback."""
+    from roundalign.bridge.vllm_internals import cpu_gemm_utils
+
+    U = cpu_gemm_utils()
+    if U.current_platform.is_zen_cpu() and hasattr(torch.ops, "zentorch"):
+        return True
+    if U.check_cpu_sgl_kernel(128, 128, torch.bfloat16):
+        return True
+    if not U.ops._supports_onednn:
+        return False
+    try:
+        U.ops.create_onednn_mm(torch.zeros(128, 128, dtype=torch.bfloat16).t(), 32)
+        return True
+    except RuntimeError:  # AVX2: "could not create a primitive descriptor for the matmul primitive"
+        return False
+
+
+@pytest.mark.parametrize("engine,gemm", [("vllm-cpu-eager", "live"), ("vllm-cpu-eager", "stock")])
+def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tmp_path, engine, gemm):
+    """TRL's weight sync, with the runner's live-weight GEMM dispatch or vLLM's own (vllm_cpu_gemm=stock: nothing in
+    the engine replaced). Where vLLM's own dispatch prepacks the weights (AVX-512, AMX), stock is refused before
+    step 1, naming the kernels; where it falls back to F.linear on the weight in place (AVX2), the sync reaches it."""
     from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_sync_probe
 
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 23, 40)]
     # a learning rate that moves every step's weights well past bf16's resolution
     cfg = build_config(overrides={"model": sft_model, **FAST, "backend": "vllm", "engine": engine, "steps": 3,
-                                  "learning_rate": 2e-2, "variant": "full"})
+                                  "learning_rate": 2e-2, "variant": "full", "vllm_cpu_gemm": gemm})
+    if gemm == "stock" and _stock_dispatch_prepacks():
+        with pytest.raises(RuntimeError, match="vllm_cpu_gemm='stock': on this CPU vLLM's own dispatch runs"):
+            train_with_sync_probe(cfg, tmp_path, seqs, **QUIET)
+        run = json.loads((tmp_path / "run/run.json").read_text())
+        assert run["status"] == "failed" and run["last_step"] == 0, run
+        return
     res, probe = train_with_sync_probe(cfg, tmp_path, seqs, **QUIET)
     assert (res.status, res.last_step) == ("done", 3)
     run = json.loads((tmp_path / "run/run.json").read_text())
-    assert set(run["vllm_engine"]["kernels"]["gemm"]) == {vllm_cpu.LIVE_GEMM}
+    assert set(run["vllm_engine"]["kernels"]["gemm"]) == {vllm_cpu.LIVE_GEMM if gemm == "live"
+                                                          else vllm_cpu.STOCK_FALLBACK_GEMM}
+    assert run["vllm_engine"]["gemm_dispatch"] == gemm
     rows = compare_with_fresh_engines(probe, eager=engine.endswith("eager"))
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

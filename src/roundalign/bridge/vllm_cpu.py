@@ -124,6 +124,9 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 
 
 LIVE_GEMM = "F.linear (live weights)"
+#: what ``engine_kernels`` calls vLLM's own fallback (dispatch_cpu_unquantized_gemm's last case): F.linear on the
+#: layer's own weight parameter, which stays in place, so TRL's in-place weight sync reaches it
+STOCK_FALLBACK_GEMM = "F.linear"
 
 
 def install_live_gemm_dispatch() -> None:

@@ -33,6 +33,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 PROMPT_STYLES = ("fixed", "variable")
 DTYPES = ("bf16", "fp16", "fp32")
 SCORINGS = ("trl", "engine")
+VLLM_CPU_GEMMS = ("live", "stock")
 
 
 class ConfigError(ValueError):
@@ -219,6 +220,15 @@ class TrainConfig:
     vllm_server_base_url: str | None = _setting(
         None, help="URL of the vLLM server in server mode (None: host/port defaults).")
     vllm_tensor_parallel_size: int = _setting(1, help="Tensor parallelism of colocated vLLM.")
+    vllm_cpu_gemm: str = _setting(
+        "live", choices=VLLM_CPU_GEMMS,
+        help="vLLM-CPU engines (backend vllm) only: " + _one_of(VLLM_CPU_GEMMS, {
+            "live": "the runner replaces vLLM's CPU GEMM dispatch by F.linear on the live weight parameters, which "
+                    "TRL's weight sync writes",
+            "stock": "nothing replaced: vLLM's own dispatch, accepted where it keeps every weight in place (its "
+                     "torch.nn.functional.linear fallback, as on AVX2 CPUs, where oneDNN builds no bf16 matmul); "
+                     "where it prepacks weights (oneDNN, SGL, zentorch) TRL's sync cannot reach them, and the run "
+                     "stops before step 1 naming the kernels"}) + ".")
     heldout_prompts: int = _setting(
         0, help="Held-out problems on which the policy's reward is measured by the engine before the first step and "
                 "after the last (run.json heldout_initial / heldout_final; roundalign.training.heldout); 0 = off. "
@@ -261,6 +271,10 @@ class TrainConfig:
             raise ConfigError(f"heldout_prompts={self.heldout_prompts}: the held-out evaluation covers the tasks digits "
                               f"and arith, sampled by the emulated engine or TRL's colocated vLLM engine; not task "
                               f"{self.task!r} with backend {self.backend!r} in vllm_mode {self.vllm_mode!r}")
+        if self.vllm_cpu_gemm != "live" and (self.backend != "vllm" or self.engine not in CPU_ENGINES):
+            raise ConfigError(f"vllm_cpu_gemm={self.vllm_cpu_gemm!r} applies to vLLM-CPU engines only (backend vllm, "
+                              f"engine {' or '.join(CPU_ENGINES)}), not backend {self.backend!r} with engine "
+                              f"{self.engine!r}")
         if self.num_generations < 2:
             raise ConfigError(f"num_generations={self.num_generations}: GRPO needs >= 2 completions per prompt")
         if self.grad_norm_collapse_factor != 0 and not self.grad_norm_collapse_factor > 1:

