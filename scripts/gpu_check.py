@@ -478,10 +478,25 @@ def attribution_skip_reason(device: torch.device) -> str | None:
     return None
 
 
-def check_sampler(device: torch.device, seed: int, vocab: int) -> list[dict]:
-    """The sampler half of part (g): vLLM's Sampler (engine-sized batches) against the trainer's formula (one batch)."""
+def _decode_step_metadata(device: torch.device, m: int, T: float, k: int, p: float, vocab: int, seed: int):
+    """vLLM 0.31.0's SamplingMetadata of one decode step of ``m`` running requests at (T, top_k, top_p), each request
+    seeded (``seed + i``, as attribute seeds them), no penalties, every logprob returned."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
+
+    return SamplingMetadata(
+        temperature=torch.full((m,), T, dtype=torch.float32, device=device), all_greedy=False,
+        all_random=True, top_p=torch.full((m,), p, dtype=torch.float32, device=device) if p < 1 else None,
+        top_k=torch.full((m,), k, dtype=torch.int32, device=device) if 0 < k < vocab else None,
+        generators={i: torch.Generator(device=device).manual_seed(seed + i) for i in range(m)},
+        max_num_logprobs=-1, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(m, device=device), presence_penalties=torch.zeros(m, device=device),
+        repetition_penalties=torch.ones(m, device=device), output_token_ids=[[] for _ in range(m)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def check_sampler(device: torch.device, seed: int, vocab: int) -> list[dict]:
+    """The sampler half of part (g): vLLM's Sampler (engine-sized batches) against the trainer's formula (one batch)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
@@ -496,15 +511,7 @@ def check_sampler(device: torch.device, seed: int, vocab: int) -> list[dict]:
         tokens, engine_lp = [], []
         for start in range(0, n, b):  # one decode step of b running requests, each seeded as attribute seeds them
             m = min(b, n - start)
-            md = SamplingMetadata(
-                temperature=torch.full((m,), T, dtype=torch.float32, device=device), all_greedy=False,
-                all_random=True, top_p=torch.full((m,), p, dtype=torch.float32, device=device) if p < 1 else None,
-                top_k=torch.full((m,), k, dtype=torch.int32, device=device) if 0 < k < vocab else None,
-                generators={i: torch.Generator(device=device).manual_seed(seed + start + i) for i in range(m)},
-                max_num_logprobs=-1, no_penalties=True, prompt_token_ids=None,
-                frequency_penalties=torch.zeros(m, device=device), presence_penalties=torch.zeros(m, device=device),
-                repetition_penalties=torch.ones(m, device=device), output_token_ids=[[] for _ in range(m)],
-                allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+            md = _decode_step_metadata(device, m, T, k, p, vocab, seed + start)
             out = sampler(logits[start:start + m].clone(), md)
             t = out.sampled_token_ids[:, 0].long()
             tokens.append(t)
@@ -551,8 +558,6 @@ def check_scoring(device: torch.device, seed: int, vocab: int, hidden_size: int 
     logprobs, temperature only). ``head rows batch-independent``: rows whose bf16 logits are the same bits computed in
     the engine's batches and in the trainer's chunks; the trainer's logprob can equal the engine's only on those."""
     import torch.nn.functional as F
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
 
     from roundalign.numerics.sampler import chunk_rows, engine_logprobs
@@ -569,15 +574,7 @@ def check_scoring(device: torch.device, seed: int, vocab: int, hidden_size: int 
             m = min(b, n - start)
             logits = F.linear(hidden[start:start + m], weight)  # the engine's head on one decode step's rows
             engine_logits.append(logits)
-            md = SamplingMetadata(
-                temperature=torch.full((m,), T, dtype=torch.float32, device=device), all_greedy=False,
-                all_random=True, top_p=None, top_k=None,
-                generators={i: torch.Generator(device=device).manual_seed(seed + start + i) for i in range(m)},
-                max_num_logprobs=-1, no_penalties=True, prompt_token_ids=None,
-                frequency_penalties=torch.zeros(m, device=device), presence_penalties=torch.zeros(m, device=device),
-                repetition_penalties=torch.ones(m, device=device), output_token_ids=[[] for _ in range(m)],
-                allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
-            out = sampler(logits.clone(), md)
+            out = sampler(logits.clone(), _decode_step_metadata(device, m, T, 0, 1.0, vocab, seed + start))
             t = out.sampled_token_ids[:, 0].long()
             tokens.append(t)
             engine_lp.append(out.logprobs_tensors.logprobs.gather(-1, t.view(-1, 1)).squeeze(-1))
