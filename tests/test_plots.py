@@ -447,8 +447,11 @@ def test_attention_figure_pairs_the_arms_of_one_policy():
     assert [ax.get_title() for ax in axes] == ["p"]  # one panel: the two entries share their policy
     bars = {p.get_gid(): p.get_height() for p in axes[0].patches if p.get_gid()}
     assert bars["bar:baseline:sdpa"] == pytest.approx(3e-4) and bars["bar:full:sdpa"] == pytest.approx(2e-5)
-    # the exact zero, drawn on the floor: a decade below the decade of the smallest positive median (2e-5)
-    assert bars["bar:full:vllm_cpu"] == pytest.approx(1e-6)
+    # the exact zero (every seed 0), drawn to the floor as a hatched bar marked "0", not a bar of a value: the floor
+    # is a decade below the decade of the smallest positive median (2e-5)
+    assert bars["zero_bar:full:vllm_cpu"] == pytest.approx(1e-6) and "bar:full:vllm_cpu" not in bars
+    zero = next(p for p in axes[0].patches if p.get_gid() == "zero_bar:full:vllm_cpu")
+    assert zero.get_hatch() == "///" and "0" in [t.get_text() for t in axes[0].texts]
     # an aggregate from before the columns existed: one attention, "(not recorded)", the model as policy
     old = arm_table(runs, pd.DataFrame(status).drop(columns=["attn", "policy"]))
     assert set(old["attn"]) == {"(not recorded)"} and set(old["policy"]) == {"p", "p.vllm_cpu"}

@@ -4,7 +4,8 @@ attention alone and both.
 
 One panel per policy (``run_status.policy``: entries with ``base:`` share their base's), one bar group per variant,
 one bar per attention (``run_status.attn``). A bar is the median over a run's steps of its token-level k3, then the
-mean over seeds; each seed's value is a dot. Exact zeros sit on the floor labelled "0 (bitwise)". Sweeps aggregated
+mean over seeds; each seed's value is a dot. Exact zeros sit on the floor labelled "0 (bitwise)"; an arm whose every
+seed is exactly 0 is a hatched bar to the floor marked "0". Sweeps aggregated
 before the columns existed get ``attn`` "(not recorded)" and their model as policy.
 
 Reads ``runs.csv`` (``mismatch/token/k3``) and ``run_status.csv``; writes ``fig_attn.<fmt>``.
@@ -67,7 +68,14 @@ def plot_attn(runs: pd.DataFrame, run_status: pd.DataFrame):
                         continue
                     shown = np.where(vals > 0, vals, floor if floor is not None else np.nan)
                     x = i + (j - (len(attns) - 1) / 2) * width
-                    ax.bar(x, float(np.mean(shown)), width=width * 0.9, color=ATTN_COLOURS.get(attn, "#cc78bc"),
+                    colour = ATTN_COLOURS.get(attn, "#cc78bc")
+                    if (vals == 0).all():  # every seed exactly 0: a hatched bar to the floor, labelled, not a value
+                        ax.bar(x, floor, width=width * 0.9, color="white", edgecolor=colour, hatch="///", lw=1,
+                               label=attn if i == 0 else None, gid=f"zero_bar:{variant}:{attn}")
+                        ax.text(x, floor * 1.3, "0", ha="center", va="bottom", fontsize=8, fontweight="bold",
+                                color="0.15")
+                        continue
+                    ax.bar(x, float(np.mean(shown)), width=width * 0.9, color=colour,
                            label=attn if i == 0 else None, gid=f"bar:{variant}:{attn}")
                     ax.plot(np.full(len(shown), x), shown, "o", color="0.15", ms=2.5, zorder=3)
             C.set_log_y(ax)
