@@ -189,7 +189,7 @@ def alignment_alone(row):
     _in(row["value"], _range(min(r), max(r), ".1f") + "x")
 
 
-def attention_alone(row):
+def kernels_alone(row):
     r = _k3_ratio((".vllm_cpu", "baseline"), ("", "baseline"))
     _in(row["value"], _range(min(r), max(r), ".1f") + "x of neither")
 
@@ -203,26 +203,31 @@ def _onpolicy_rows() -> list[dict]:
     out = []
     for line in _text("results/vllm-cpu/onpolicy.txt").splitlines():
         f = line.split()
-        if len(f) >= 7 and f[1] in ("compiled", "eager") and "/" in f[4]:
+        if len(f) >= 9 and f[1] in ("compiled", "eager") and "/" in f[4] and "/" in f[7]:
             ok, n = map(int, f[4].split("/"))
+            exact, n_exact = map(int, f[7].split("/"))
+            assert n_exact == n, line
             out.append({"model": f[0], "mode": f[1], "variant": f[2], "ok": ok, "n": n, "median": float(f[5]),
-                        "max": float(f[6])})
+                        "max": float(f[6]), "exact": exact, "max_dlogp": float(f[8])})
     return out
 
 
 def onpolicy_compiled(row):
     full = [r for r in _onpolicy_rows() if r["mode"] == "compiled" and r["variant"] == "full"]
-    ok, n = sum(r["ok"] for r in full), sum(r["n"] for r in full)
-    # the same from the sweep's per-step table: every `full` run with the engine's attention
-    steps = [v for (m, var, _), s in per_step("vllm-cpu", "mismatch/token/k3").items()
-             if m.endswith(".vllm_cpu") and var == "full" for v in s.values()]
-    assert (sum(v <= 1e-10 for v in steps), len(steps)) == (ok, n)
-    _in(row["value"], f"{ok} of {n} steps", f"largest {_sci(max(steps))}")
+    exact, n = sum(r["exact"] for r in full), sum(r["n"] for r in full)
+    # the same from the sweep's per-step table: every `full` run with the engine's kernels, every token of every step
+    frac = [v for (m, var, _), s in per_step("vllm-cpu", "mismatch/token/tokens_exact_frac").items()
+            if m.endswith(".vllm_cpu") and var == "full" for v in s.values()]
+    diff = [v for (m, var, _), s in per_step("vllm-cpu", "mismatch/token/logp_abs_diff_max").items()
+            if m.endswith(".vllm_cpu") and var == "full" for v in s.values()]
+    assert (sum(v == 1.0 for v in frac), len(frac)) == (exact, n)
+    _in(row["value"], f"{exact} of {n} steps", f"largest difference {max(diff):g}")
 
 
 def onpolicy_eager(row):
     full = [r for r in _onpolicy_rows() if r["mode"] == "eager" and r["variant"] == "full"]
-    _in(row["value"], f"{sum(r['ok'] for r in full)} of {sum(r['n'] for r in full)} steps")
+    _in(row["value"], f"{sum(r['exact'] for r in full)} of {sum(r['n'] for r in full)} steps",
+        f"largest difference {max(r['max_dlogp'] for r in full):g}")
 
 
 def onpolicy_baseline(row):
@@ -460,10 +465,11 @@ CHECKS = {
     "temperature 0.7 on the engine side only": temperature,
     "the trainer's micro-batch size": micro_batch,
     "alignment alone (`full`, sdpa) lowers": alignment_alone,
-    "the engine's attention alone (`baseline`, vllm_cpu)": attention_alone,
-    "`full` + the engine's attention: every step at or below 1e-10": onpolicy_compiled,
+    "the engine's kernels alone (`baseline`, vllm_cpu": kernels_alone,
+    "`full` + the engine's kernels: every token of every step bitwise against the compiled engine":
+        onpolicy_compiled,
     "the same against the eager engine": onpolicy_eager,
-    "`baseline` + the engine's attention is above 1e-10": onpolicy_baseline,
+    "`baseline` + the engine's kernels is above 1e-10": onpolicy_baseline,
     "learning in the vllm-cpu sweep": vllm_cpu_learning,
     "`rope` alone in that sweep": rope_alone_vllm_cpu,
     "a step above the floor, in an earlier pass": verbatim("8.6e-8", "5.3e-14"),
