@@ -55,7 +55,8 @@ def test_chunk_rows_bounds_a_chunks_logits():
 def test_gradient_is_the_formulas_fp64_gradient():
     hidden, weight, targets = _data(dtype=torch.float32, seed=1)
     bias = torch.randn(weight.shape[0], generator=torch.Generator().manual_seed(2))
-    g_lp, g_ent = torch.randn(len(targets)), torch.randn(len(targets))
+    g = torch.Generator().manual_seed(4)
+    g_lp, g_ent = torch.randn(len(targets), generator=g), torch.randn(len(targets), generator=g)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     lp, ent = engine_logprobs(*leaves, targets, 0.7, entropy=True, rows=5)
     (lp * g_lp + ent * g_ent).sum().backward()
@@ -64,7 +65,9 @@ def test_gradient_is_the_formulas_fp64_gradient():
     ref_lp, ref_ent = x.gather(-1, targets[:, None]).squeeze(-1), -(x.exp() * x).sum(-1)
     (ref_lp * g_lp.double() + ref_ent * g_ent.double()).sum().backward()
     for ours, ref in zip(leaves, ref_leaves):
-        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-4, atol=1e-6)
+        # fp32 against fp64: the entropy's gradient, p (log p + H), cancels, so the error is relative to the
+        # gradient's scale (measured up to ~2e-6 of its largest entry over 30 draws), not to each entry
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-4, atol=1e-5 * float(ref.grad.abs().max()))
 
 
 def test_bf16_gradients_accumulate_in_fp32_over_chunks():
