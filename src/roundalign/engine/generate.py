@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from roundalign.engine.model import EngineModel, KVCache
+from roundalign.numerics.sampler import apply_temperature as _apply_temperature
 
 
 @dataclass
@@ -42,14 +43,6 @@ class Sample:
 
 class NonFiniteLogitsError(RuntimeError):
     """The engine's logits contain NaN or inf: the policy has diverged (a collapsed run)."""
-
-
-def _apply_temperature(logits: Tensor, temperature: float) -> Tensor:
-    """fp32 logits / T as vLLM's sampler divides them (sampler.py ``apply_temperature``): a true division by an fp32
-    tensor, one value per row. On CUDA a Python-float divisor becomes a multiply by 1/T, one ulp off on part of the
-    logits unless T is a power of two; on the CPU both are the true division."""
-    x = logits.float()
-    return x / torch.full((*x.shape[:-1], 1), temperature, dtype=torch.float32, device=x.device)
 
 
 def _sample_seed(seed: int, index: int) -> int:

@@ -49,13 +49,17 @@ def chunk_rows(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, elements // max(vocab, 1))
 
 
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """fp32 logits / T as vLLM's sampler divides them (sampler.py ``apply_temperature``): a true division by an fp32
+    tensor, one value per row. On CUDA a Python-float divisor becomes a multiply by 1/T, one ulp off on part of the
+    logits unless T is a power of two; on the CPU both are the true division. The emulated engine samples with it."""
+    x = logits.float()
+    return x / torch.full((*x.shape[:-1], 1), temperature, dtype=torch.float32, device=x.device)
+
+
 def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """vLLM's processed logits of these rows: head GEMM in the head's dtype, fp32, divided by T (an fp32 tensor)."""
-    logits = F.linear(hidden.to(weight.dtype), weight, bias)
-    x = logits.to(torch.float32)
-    # vLLM divides by a per-row fp32 tensor (Sampler.apply_temperature, logits.div_(temp.unsqueeze(1))): a true
-    # division; a Python float would be x * (1/T) on CUDA, one ulp off on part of the logits unless T is 2^k
-    return x.div_(torch.full((x.shape[0], 1), temperature, dtype=torch.float32, device=x.device))
+    """vLLM's processed logits of these rows: head GEMM in the head's dtype, then ``apply_temperature``."""
+    return apply_temperature(F.linear(hidden.to(weight.dtype), weight, bias), temperature)
 
 
 def engine_logprobs_reference(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
@@ -147,4 +151,4 @@ def engine_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
     return EngineLogprobFunction.apply(hidden, weight, bias, targets, float(temperature), rows, entropy)
 
 
-__all__ = ["CHUNK_ELEMENTS", "EngineLogprobFunction", "chunk_rows", "engine_logprobs", "engine_logprobs_reference"]
+__all__ = ["CHUNK_ELEMENTS", "apply_temperature", "EngineLogprobFunction", "chunk_rows", "engine_logprobs", "engine_logprobs_reference"]
