@@ -84,6 +84,9 @@ RECHECK: list[tuple[str, list[str]]] = [
     # the dose (the dose experiment): its rounding, the engine's and the trainer's placement, and training under it
     ("roundalign.numerics.mantissa.*", ["tests/test_dose.py", "tests/test_patch.py", "tests/test_engine.py"]),
     ("roundalign.numerics.dose.*", ["tests/test_dose.py", "tests/test_train.py"]),
+    # the engine-scored LM head (`scoring: engine`): its formula against an independent reference, the gradient, and
+    # training through it (the real-engine bitwise check lives in tests/vllm_cpu, outside mutmut's copy)
+    ("roundalign.numerics.sampler.*", ["tests/test_sampler.py", "tests/test_trl_bridge.py", "tests/test_train.py"]),
     ("roundalign.numerics.x_*", ["tests/test_patch.py", "tests/test_regions.py"]),  # numerics/__init__.py
     # the two end-to-end checkpoint tests SIGKILL a `roundalign train` subprocess (it inherits the mutant)
     ("roundalign.training.checkpoints.*", ["tests/test_direct_mutants.py", "tests/test_checkpoints.py"]),
