@@ -199,15 +199,41 @@ def train(bench: Path) -> list[str]:
 
 
 def train_vllm_cpu(bench: Path) -> list[str]:
+    """Per model: the arms' step times and ratios, then the profiled breakdown (ms per step, one column per arm)."""
     name = "train_vllm_cpu.txt"
     lines = _read(bench, name)
-    at = _find(lines, r"^## step time", name)
-    cols = ["variant", "attn", "median step s", "steps/s", "ratio", "median k3"]
-    rows = _columns(lines, at + 1, cols, name, "ws")
-    over = lines[_find(lines, r"^full\+vllm_cpu / full\+sdpa:", name)]
-    note = lines[_find(lines, r"^\(attn:", name)]
-    return [_source(name, f"`{lines[0].lstrip('# ')}`; {lines[1]}; {lines[at].lstrip('# ')}."), "",
-            *_md(cols, rows, 2), "", f"{over}. {note}"]
+    cols = ["arm", "median step s", "ratio", "95% bootstrap", "per-round ratios",
+            "exact tokens (min / median over steps)"]
+    out = [_source(name, f"`{lines[0].lstrip('# ')}`."), "", lines[1]]
+    at = 0
+    while True:
+        try:
+            at = _find(lines, r"^## ", name, at + 1)
+        except RecordError:
+            break
+        out += ["", f"**{lines[at].lstrip('# ')}**", ""]
+        head = _find(lines, r"^arm\s", name, at)
+        out += _md(cols, _columns(lines, head, cols, name, "2sp"), 1)
+        try:
+            b = _find(lines, r"^breakdown \(", name, head)
+        except RecordError:
+            continue
+        if b > next((i for i in range(at + 1, len(lines)) if lines[i].startswith("## ")), len(lines)):
+            continue  # that breakdown belongs to a later model
+        arms = re.split(r" {2,}", lines[b + 1].strip())[1:]
+        if lines[b + 1].split()[:3] != ["ms", "/", "step"] or not arms:
+            raise RecordError(f"results/bench/{name}:{b + 2}: expected the breakdown's 'ms / step' header")
+        rows = []
+        for line in lines[b + 2:]:
+            if not line.strip():
+                break
+            cells = line.split()
+            if len(cells) <= len(arms):
+                raise RecordError(f"results/bench/{name}: a breakdown row without {len(arms)} values: {line!r}")
+            rows.append([" ".join(cells[:-len(arms)]), *cells[-len(arms):]])
+        out += ["", lines[b], "", *_md(["ms / step", *arms], rows, 1)]
+    out += ["", lines[_find(lines, r"^\(ratio:", name)]]
+    return out
 
 
 def checkpoint(bench: Path) -> list[str]:
