@@ -331,10 +331,10 @@ def run_probe_cli(args) -> None:
                       dose_bits=args.dose_bits)
     _setup_runtime()
     if args.backend == "vllm":
-        from roundalign.numerics.plan import CPU_ENGINES
+        from roundalign.numerics.engines import is_cpu
         from roundalign.probes.probe_real import run_probe_real
 
-        if cfg.engine in CPU_ENGINES:
+        if is_cpu(cfg.engine):
             # vLLM's CPU build in this process: its model (hooks, GEMM dispatch) is then readable; a 1 GiB KV
             # cache is plenty for probe-sized requests and changes no numerics
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -360,9 +360,9 @@ def run_attribute_cli(args) -> None:
                           splitk_chunk=args.splitk_chunk, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
                           num_resamples=args.resamples, sources=tuple(args.sources))
     _setup_runtime()
-    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.numerics.engines import is_cpu
 
-    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
+    if cfg.backend == "vllm" and is_cpu(cfg.engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's model readable in this process
     rows = run_attribute(cfg, args.out)
     from roundalign.analysis.plots.fig_attribution import draw_waterfall

@@ -335,9 +335,11 @@ class VllmCpuAttentionFunction(torch.autograd.Function):
     Forward: the engine's own ops (``attend_requests``), one request per sequence, so the trainer's activations are the
     engine's bit for bit where the rest of the forward rounds like the engine. Backward: for each request, SDPA's
     forward is recomputed at the saved (bf16) q/k/v and differentiated with ``torch.autograd.grad``. SDPA rather
-    than an fp32 eager formula because it is the gradient a stock ``attn_implementation="sdpa"`` trainer takes: the
-    bridge changes where the forward rounds and nothing about how the update is computed (its CPU kernel is the
-    flash algorithm, fp32 accumulators, O(T) memory; an fp32 eager formula would hold (H, T, T) fp32 scores). The
+    than a formula of ours because it is torch's own attention gradient, the function a stock
+    ``attn_implementation="sdpa"`` trainer differentiates: the bridge changes where the forward rounds, not what the
+    update differentiates. (The kernel differs: a request's call is 3-D, for which torch runs its math kernel, fp32
+    inside for bf16 inputs, one request's (H, n, m) scores at a time; a stock trainer's batched 4-D call runs the
+    CPU flash kernel. ``roundalign.bridge.sdpa_grad`` stacks the requests of one shape on the same math kernel.) The
     forward's output and SDPA's differ by bf16 rounding noise only, so the gradient is that of a function which
     agrees with the forward to bf16 resolution (``tests/vllm_cpu/test_attention_grad.py`` measures the parameter
     gradients against SDPA training and the fp32 reference)."""

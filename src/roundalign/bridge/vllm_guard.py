@@ -34,6 +34,9 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
+# CompilationMode values (vllm/config/compilation.py:37-51, an IntEnum), kept with the guard checks that read them
+from roundalign.numerics.engines import COMPILE_NONE, DYNAMO_TRACE_ONCE, VLLM_COMPILE  # noqa: F401
+
 # The version whose compiler behaviour the plans were derived from (docs/numerics.md).
 TARGET_VLLM_VERSION = "0.31.0"
 
@@ -48,9 +51,6 @@ PASS_FIELDS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "eliminat
 # eliminate_noops removes reshapes: recorded, not refused.
 MAP_CHANGING_PASSES = ("fuse_allreduce_rms", "enable_sp", "enable_qk_norm_rope_fusion", "fuse_rope_kvcache",
                        "fuse_qk_norm_rope_kvcache", "fuse_act_padding")
-VLLM_COMPILE = 3  # CompilationMode.VLLM_COMPILE (vllm/config/compilation.py:37-51, an IntEnum)
-DYNAMO_TRACE_ONCE = 2  # CompilationMode.DYNAMO_TRACE_ONCE: what vLLM's CPU platform compiles with
-COMPILE_NONE = 0  # CompilationMode.NONE
 
 
 class EngineMapError(RuntimeError):
@@ -138,86 +138,26 @@ def engine_settings(llm, vllm_version: str | None = None) -> dict:
 
 def map_problems(settings: dict, engine: str) -> list[str]:
     """Every way ``settings`` (from ``engine_settings``) departs from the map of ``engine``; [] when it rounds
-    as the alignment targets."""
-    from roundalign.numerics.plan import CPU_ENGINES, check_engine
+    as the alignment targets. The checks every engine shares are here; each engine's own are data in its
+    registry record (``roundalign.numerics.engines``, ``EngineSpec.guard``)."""
+    from roundalign.numerics.engines import counterpart, spec
 
-    check_engine(engine)
+    e = spec(engine)
     s = settings
     out = []
     if s["vllm_version"] is not None and s["vllm_version"].split("+")[0] != TARGET_VLLM_VERSION:
         out.append(f"vLLM {s['vllm_version']} is installed; the rounding map was derived for {TARGET_VLLM_VERSION} "
                    "(pip install vllm==" + TARGET_VLLM_VERSION + ")")
-    prio_norm = (s["ir_op_priority_rms_norm"] or ["?"])[0], (s["ir_op_priority_fused_add_rms_norm"] or ["?"])[0]
     device = s.get("device_type")
-    cpu_target = engine in CPU_ENGINES
-    if device is not None and (device == "cpu") != cpu_target:
-        mode = engine.split("-")[-1]
-        other = f"vllm-cpu-{mode}" if device == "cpu" else f"vllm-{mode}"
-        out.append(f"engine {engine!r} is the rounding map of vLLM on {'a CPU' if cpu_target else 'a GPU'}, but this "
-                   f"engine runs on the {device!r} platform, which rounds elsewhere: use engine {other!r}")
+    if device is not None and (device == "cpu") != e.cpu:
+        other = counterpart(engine, "cpu" if device == "cpu" else "cuda")
+        out.append(f"engine {engine!r} is the rounding map of vLLM on {'a CPU' if e.cpu else 'a GPU'}, but this "
+                   f"engine runs on the {device!r} platform, which rounds elsewhere"
+                   + (f": use engine {other!r}" if other else ""))
         return out
-    if engine == "vllm-cpu-compiled":
-        if s["compilation_mode_value"] != DYNAMO_TRACE_ONCE or s["enforce_eager"] or s["torch_compile_disabled"]:
-            out.append(f"engine 'vllm-cpu-compiled' requested but the CPU engine runs compilation mode "
-                       f"{s['compilation_mode']} (enforce_eager={s['enforce_eager']}, TORCH_COMPILE_DISABLE="
-                       f"{s['torch_compile_disabled']}), not the one-graph DYNAMO_TRACE_ONCE compile; use engine "
-                       "'vllm-cpu-eager' for enforce_eager=True")
-        if s["compile_backend"] != "inductor":
-            out.append(f"compile backend {s['compile_backend']!r} (VLLM_CPU_CI_ENV={int(s.get('cpu_ci_env', False))}): "
-                       "the CPU compiled map is Inductor's fusion; unset VLLM_CPU_CI_ENV")
-        if s.get("splitting_ops"):
-            out.append(f"splitting_ops={s['splitting_ops']}: the CPU compiled map is one graph (the residual stream "
-                       "never leaves it); a split graph rounds what crosses each split")
-        for op, on in (("rotary_embedding", s["custom_rotary_embedding"]),
-                       ("silu_and_mul", s["custom_silu_and_mul"])):
-            if on:
-                out.append(f"custom op {op} is enabled (custom_ops={s['custom_ops']}): the CPU compiled map assumes "
-                           "its native formula under Inductor")
-        if prio_norm != ("native", "native"):
-            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}: the CPU maps assume 'native'")
-    elif engine == "vllm-cpu-eager":
-        if s["compilation_mode_value"] != COMPILE_NONE:
-            out.append(f"engine 'vllm-cpu-eager' requested but the CPU engine compiles (mode {s['compilation_mode']}, "
-                       "one Inductor graph): use engine 'vllm-cpu-compiled', or launch it with enforce_eager=True")
-        if not s["custom_rotary_embedding"]:
-            out.append(f"custom op rotary_embedding is disabled (custom_ops={s['custom_ops']}): the CPU eager map "
-                       "assumes vLLM's C++ rotary_embedding kernel")
-        if prio_norm != ("native", "native"):
-            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}: the CPU maps assume 'native'")
-    elif engine == "vllm-compiled":
-        if s["compilation_mode_value"] != VLLM_COMPILE or s["enforce_eager"] or s["torch_compile_disabled"]:
-            out.append(f"engine 'vllm-compiled' requested but the engine runs compilation mode "
-                       f"{s['compilation_mode']} (enforce_eager={s['enforce_eager']}, TORCH_COMPILE_DISABLE="
-                       f"{s['torch_compile_disabled']}): it rounds like eager vLLM; use engine 'vllm-eager' or "
-                       "drop enforce_eager / -O0 / TORCH_COMPILE_DISABLE")
-        if s["compile_backend"] not in ("inductor", ""):
-            out.append(f"compile backend {s['compile_backend']!r}: the compiled map assumes 'inductor'")
-        if s["use_inductor_graph_partition"]:
-            out.append("use_inductor_graph_partition is on: values may stay fp32 across attention, which the "
-                       "piecewise map does not model; turn it off")
-        for op, on in (("rotary_embedding", s["custom_rotary_embedding"]),
-                       ("silu_and_mul", s["custom_silu_and_mul"])):
-            if on:
-                out.append(f"custom op {op} is enabled (custom_ops={s['custom_ops']}): the compiled map assumes "
-                           "its native formula under Inductor")
-        if prio_norm != ("native", "native"):
-            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}, fused_add_rms_norm="
-                       f"{s['ir_op_priority_fused_add_rms_norm']}: the compiled map assumes 'native' first")
-    else:  # vllm-eager
-        if s["compilation_mode_value"] != COMPILE_NONE:
-            out.append(f"engine 'vllm-eager' requested but the engine compiles (mode {s['compilation_mode']}); "
-                       "launch it with enforce_eager=True")
-        for op, on in (("rotary_embedding", s["custom_rotary_embedding"]),
-                       ("silu_and_mul", s["custom_silu_and_mul"])):
-            if not on:
-                out.append(f"custom op {op} is disabled (custom_ops={s['custom_ops']}): the eager map assumes "
-                           "vLLM's CUDA kernel")
-        if prio_norm[0] != "vllm_c" or prio_norm[1] != "vllm_c":
-            out.append(f"RMSNorm IR priority is rms_norm={s['ir_op_priority_rms_norm']}, fused_add_rms_norm="
-                       f"{s['ir_op_priority_fused_add_rms_norm']}: the eager map assumes the 'vllm_c' kernel first")
+    out += [check.message(s) for check in e.guard if check.bad(s)]
     # Inductor passes only run when the engine compiles (PassManager is Inductor's post-grad hook)
-    on = [p for p in MAP_CHANGING_PASSES if s["fusion_passes"].get(p)] \
-        if engine in ("vllm-compiled", "vllm-cpu-compiled") else []
+    on = [p for p in MAP_CHANGING_PASSES if s["fusion_passes"].get(p)] if e.compiled else []
     if on:
         what = {"fuse_allreduce_rms": f"all-reduce + RMSNorm fusion (tensor_parallel_size="
                                       f"{s['tensor_parallel_size']})"}

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from roundalign.numerics import mantissa as dose, regions, vllm_native
 from roundalign.numerics.patch import decoder_trunk
+from roundalign.numerics.engines import spec as engine_spec
 from roundalign.numerics.plan import RoundingPlan, engine_plan, plan_for
 from roundalign.engine import compiled
 
@@ -140,7 +141,7 @@ class EngineModel:
         self.engine = engine
         self.regions = regions
         if norm_reduction is None:  # the one-graph CPU engine against the trainer's default compiled regions
-            norm_reduction = "inductor" if engine == "vllm-cpu-compiled" else "opaque"
+            norm_reduction = engine_spec(engine).norm_reduction
         self.norm_reduction = check_choice("norm reduction", norm_reduction, compiled.NORM_REDUCTIONS)
         self.attn = check_choice("attention implementation", attn, ENGINE_ATTN_IMPLS)
         self.attn_decode = check_choice("decode attention implementation", attn_decode or attn, ENGINE_ATTN_IMPLS)
@@ -162,7 +163,7 @@ class EngineModel:
         self.sync_weights(model)
         self.spec = None
         self.attention_handle = None
-        if engine in ("vllm-compiled", "vllm-cpu-compiled"):
+        if engine_spec(engine).compiled:
             # vLLM's own bf16 cos/sin table (RotaryEmbedding._compute_cos_sin_cache(), then .to(dtype))
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
             rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -174,8 +175,8 @@ class EngineModel:
             self.spec = compiled.make_spec(regions=regions, gemm=gemm, splitk_chunk=splitk_chunk,
                                            norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
                                            qk_norm=self.layers[0].q_norm is not None,
-                                           whole=engine == "vllm-cpu-compiled")
-            if engine == "vllm-cpu-compiled":
+                                           whole=engine_spec(engine).one_graph)
+            if engine_spec(engine).one_graph:
                 self.attention_handle = compiled.register_attention_owner(self)
 
     def new_cache(self) -> KVCache:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from roundalign.numerics.engines import with_dose
+
 #: bf16's explicit mantissa bits: the stock engine, no dose
 NO_DOSE = 7
 #: the engines whose emulated forward carries a dose
-DOSE_ENGINES = ("vllm-eager", "vllm-cpu-eager")
+DOSE_ENGINES = with_dose()  # the registry's engines with ``dose`` (vLLM's eager modes)
 HANDLES_ATTR = "_roundalign_dose_handles"
 BITS_ATTR = "_roundalign_dose"
 #: on an aligned attention module: the bits its RoPE'd q/k are rounded to (read by ``patch._qk_norm_rope``)

@@ -77,6 +77,7 @@ from torch import nn
 
 from roundalign.numerics import mantissa
 from roundalign.numerics import regions
+from roundalign.numerics.engines import spec
 from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, default_kernel_mode, plan_for
 
 SUPPORTED_MODEL_CLASSES = tuple(f"Qwen{v}{head}" for v in ("2", "3") for head in (
@@ -400,7 +401,7 @@ def _set_sum_orders(model: nn.Module, variant: str, engine: str, orders) -> list
         return None
     orders = [tuple(int(v) for v in o) for o in orders]
     norms = norm_modules(model)
-    if engine != "vllm-cpu-compiled" or variant not in ("norm", "full"):
+    if not spec(engine).reads_norm_orders or variant not in ("norm", "full"):
         raise ValueError(f"norm_sum_orders are the reduction orders of vLLM-CPU's compiled engine's fused norms: they "
                          f"apply to variant 'norm' or 'full' with engine 'vllm-cpu-compiled', not {variant!r} with "
                          f"{engine!r}")

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ENGINES = ("vllm-compiled", "vllm-eager", "vllm-cpu-compiled", "vllm-cpu-eager")
-GPU_ENGINES = ("vllm-compiled", "vllm-eager")
-CPU_ENGINES = ("vllm-cpu-compiled", "vllm-cpu-eager")
+from roundalign.numerics.engines import CPU_ENGINES, ENGINES, GPU_ENGINES, spec  # noqa: F401 (re-exported)
+
 # where each residual mode keeps the unrounded sum of the residual stream (RoundingPlan.residual)
 RESIDUALS = ("bf16", "fp32", "fp32-read", "fp32-stream")
 #: how the fp32 regions run (``apply_alignment(kernels=...)``, ``regions.region_kernels``): separate torch ops, or
@@ -48,7 +47,7 @@ def default_kernel_mode(engine: str, fp32: bool = False) -> str:
     otherwise (the exact reference, and the only mode that is a bitwise no-op on an fp32 model). With the
     engine's norm reduction orders both modes are bitwise against the compiled engine; compiled kernels are the
     cheaper there."""
-    return "compiled" if engine == "vllm-cpu-compiled" and not fp32 else "eager"
+    return spec(engine).region_kernels if not fp32 else "eager"
 
 
 @dataclass(frozen=True)
@@ -101,16 +100,6 @@ class RoundingPlan:
         return self == RoundingPlan()
 
 
-_ENGINE_PLANS = {
-    "vllm-compiled": RoundingPlan(rope="fused", swiglu="fused", norm="fused", residual="fp32", qk_norm_rope="fused"),
-    "vllm-eager": RoundingPlan(rope="fused", swiglu="hf", norm="fused", residual="bf16", qk_norm_rope="split"),
-    "vllm-cpu-compiled": RoundingPlan(rope="fused", swiglu="fused", norm="fused", residual="fp32-stream",
-                                      qk_norm_rope="fused"),
-    # rope: filled in by cpu_rope_rounding() for the machine (engine_plan)
-    "vllm-cpu-eager": RoundingPlan(rope="fused", swiglu="hf", norm="hf", residual="fp32-read", qk_norm_rope="split"),
-}
-
-
 def cpu_kernel_build() -> str:
     """Which of vllm-cpu 0.31.0's x86 kernel libraries this machine loads, decided as vLLM decides it
     (``CpuPlatform.import_kernels``, vllm/platforms/cpu.py:612-643): ``_C`` (AVX-512 with BF16, AMX builds),
@@ -134,8 +123,7 @@ def cpu_rope_rounding(build: str | None = None) -> str:
 
 
 def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; valid engines: {', '.join(ENGINES)}")
+    spec(engine)  # a ValueError naming the registered engines
     return engine
 
 
@@ -146,13 +134,10 @@ def check_variant(variant: str) -> str:
 
 
 def engine_plan(engine: str) -> RoundingPlan:
-    """Where the engine rounds, in every region (``vllm-cpu-eager``: for the kernel build this machine loads)."""
-    plan = _ENGINE_PLANS[check_engine(engine)]
-    if engine == "vllm-cpu-eager":
-        from dataclasses import replace
-
-        plan = replace(plan, rope=cpu_rope_rounding())
-    return plan
+    """Where the engine rounds, in every region (its registry record's ``plan``; RoPE for the kernel build this machine
+    loads where the record says it depends on it: vLLM-CPU eager)."""
+    s = spec(engine)
+    return RoundingPlan(**{**s.plan, "rope": cpu_rope_rounding()} if s.rope_from_cpu_build else s.plan)
 
 
 def plan_for(engine: str, variant: str) -> RoundingPlan:

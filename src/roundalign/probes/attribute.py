@@ -112,7 +112,8 @@ class AttributeConfig:
 
     def __post_init__(self):
         from roundalign.engine.model import check_choice
-        from roundalign.numerics.plan import CPU_ENGINES, check_engine
+        from roundalign.numerics.engines import is_cpu
+        from roundalign.numerics.plan import check_engine
 
         check_engine(self.engine)
         check_choice("backend", self.backend, BACKENDS)
@@ -123,7 +124,7 @@ class AttributeConfig:
             check_choice("source", s, SOURCES)
         if self.backend == "vllm":
             check_choice("engine GEMM (backend vllm)", self.gemm, VLLM_GEMMS)
-            if self.engine not in CPU_ENGINES and self.gemm == "live":
+            if not is_cpu(self.engine) and self.gemm == "live":
                 raise ValueError("--engine-gemm live is the CPU build's F.linear dispatch; a GPU engine runs its own")
             if self.engine_lm_head_fp32:
                 raise ValueError("--engine-lm-head-fp32 is the emulated engine's (backend emulated): real vLLM 0.31.0 "
@@ -205,10 +206,10 @@ def vllm_engine_side(prompts, cfg: AttributeConfig, log=print) -> EngineData:
 
     from roundalign.bridge.vllm_guard import check_engine_map
     from roundalign.models.load import vllm_dtype
-    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.numerics.engines import is_cpu
     from roundalign.probes.probe_real import sample_with_logprobs, shutdown_llm, teacher_forced
 
-    cpu = cfg.engine in CPU_ENGINES
+    cpu = is_cpu(cfg.engine)
     if cpu:
         from roundalign.bridge import vllm_cpu
 
@@ -225,9 +226,10 @@ def vllm_engine_side(prompts, cfg: AttributeConfig, log=print) -> EngineData:
         orders = None
         if cpu:
             from roundalign.bridge.vllm_cpu import engine_kernels, engine_norm_sum_orders
+            from roundalign.numerics.engines import spec
 
             settings["kernels"] = engine_kernels(llm)
-            if cfg.engine == "vllm-cpu-compiled":
+            if spec(cfg.engine).reads_norm_orders:
                 orders = engine_norm_sum_orders(llm)
                 settings["norm_sum_orders"] = [list(o) for o in orders]
         samples = sample_with_logprobs(llm, prompts, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
@@ -271,9 +273,9 @@ def present_sources(cfg: AttributeConfig, data: EngineData) -> dict[str, str | N
         "rounding": None,
     }
     if vllm:
-        from roundalign.numerics.plan import CPU_ENGINES
+        from roundalign.numerics.engines import is_cpu
 
-        if cfg.engine not in CPU_ENGINES:
+        if not is_cpu(cfg.engine):
             if why["attention"] is None:
                 why["attention"] = ("the trainer's copy of vLLM's CUDA attention (attn: vllm_flash) is not wired into "
                                     "attribution yet")
@@ -544,9 +546,9 @@ def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: 
 
     out = Path(out_dir)
     check_writable(out / "attribution.csv")
-    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.numerics.engines import is_cpu
 
-    device = device or ("cuda" if cfg.backend == "vllm" and cfg.engine not in CPU_ENGINES else "cpu")
+    device = device or ("cuda" if cfg.backend == "vllm" and not is_cpu(cfg.engine) else "cpu")
     if cfg.backend == "vllm":  # the real engine can run here (vLLM's CPU build, or CUDA vLLM and a GPU)
         from roundalign.probes.probe_real import preflight
 

@@ -47,9 +47,9 @@ from roundalign.probes.probe import ProbeConfig, _prompts, compare_variants, mod
 
 
 def _is_cpu_engine(engine: str) -> bool:
-    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.numerics.engines import is_cpu
 
-    return engine in CPU_ENGINES
+    return is_cpu(engine)
 
 
 def vllm_sample(cfg: ProbeConfig, prompts: list[list[int]], *, gpu_memory_utilization: float = 0.45,
@@ -75,9 +75,10 @@ def vllm_sample(cfg: ProbeConfig, prompts: list[list[int]], *, gpu_memory_utiliz
         settings = check_engine_map(llm, cfg.engine, log=log)
         if cpu:
             from roundalign.bridge.vllm_cpu import engine_kernels, engine_norm_sum_orders
+            from roundalign.numerics.engines import spec
 
             settings = {**settings, "kernels": engine_kernels(llm)}
-            if cfg.engine == "vllm-cpu-compiled":  # how its fused norms reduce, read from its own Inductor code
+            if spec(cfg.engine).reads_norm_orders:  # how its fused norms reduce, read from its own Inductor code
                 settings["norm_sum_orders"] = [list(o) for o in engine_norm_sum_orders(llm)]
         samples = sample_with_logprobs(llm, prompts, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                        seed=cfg.seed)

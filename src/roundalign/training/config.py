@@ -17,7 +17,9 @@ from pathlib import Path
 import yaml
 
 from roundalign.engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
-from roundalign.numerics.plan import CPU_ENGINES, ENGINES, KERNEL_MODES, VARIANTS, default_kernel_mode
+from roundalign.numerics.engines import CPU_ENGINES, ENGINES, GPU_ENGINES, with_dose
+from roundalign.numerics.engines import names as engine_names, spec as engine_spec
+from roundalign.numerics.plan import KERNEL_MODES, VARIANTS, default_kernel_mode
 
 BACKENDS = ("emulated", "vllm")
 TASKS = ("arith", "math", "digits")
@@ -49,6 +51,11 @@ def _one_of(choices, notes: dict | None = None, quote: bool = True, last: str = 
         raise ValueError(f"help notes for choices that do not exist: {', '.join(sorted(stale))}")
     items = [(f'"{c}"' if quote else c) + (f" ({notes[c]})" if c in notes else "") for c in choices]
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + last + items[-1]
+
+
+# choices read when a config is checked rather than when the module is imported: the engine registry's names, so that
+# an engine registered later (roundalign.numerics.engines.register) is valid too
+_LIVE_CHOICES = {"engine": engine_names}
 
 
 def _setting(default=dataclasses.MISSING, *, help: str, choices: tuple | None = None):
@@ -84,11 +91,9 @@ class TrainConfig:
     engine: str = _setting(
         "vllm-compiled", choices=ENGINES,
         help="Engine rounding to align to and, for vllm, the vLLM mode launched: "
-             + _one_of([e for e in ENGINES if e not in CPU_ENGINES], {
-                 "vllm-compiled": "default CUDA-graph/Inductor path", "vllm-eager": "enforce_eager=True"})
+             + _one_of(GPU_ENGINES, {e: engine_spec(e).help for e in GPU_ENGINES})
              + " on a GPU; "
-             + _one_of([e for e in ENGINES if e in CPU_ENGINES], {
-                 "vllm-cpu-compiled": "one Inductor graph", "vllm-cpu-eager": "enforce_eager=True"})
+             + _one_of(CPU_ENGINES, {e: engine_spec(e).help for e in CPU_ENGINES})
              + " for vLLM's CPU build.")
     attn: str = _setting(
         "eager", choices=ATTN_IMPLS,
@@ -239,7 +244,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            valid, value = f.metadata.get("choices"), getattr(self, f.name)
+            valid, value = _LIVE_CHOICES.get(f.name, lambda: f.metadata.get("choices"))(), getattr(self, f.name)
             if valid is None or value in valid or (value is None and f.name in _OPTIONAL):
                 continue
             raise ConfigError(f"{f.name}={value!r} is not valid; choose one of: {', '.join(valid)}"
@@ -255,10 +260,9 @@ class TrainConfig:
         if isinstance(self.engine_dose_bits, bool) or not isinstance(self.engine_dose_bits, int) \
                 or not 1 <= self.engine_dose_bits <= 7:
             raise ConfigError(f"engine_dose_bits={self.engine_dose_bits!r} must be an integer from 1 to 7 (7: no dose)")
-        if self.engine_dose_bits < 7 and (self.backend != "emulated" or self.engine not in ("vllm-eager",
-                                                                                              "vllm-cpu-eager")):
+        if self.engine_dose_bits < 7 and (self.backend != "emulated" or self.engine not in with_dose()):
             raise ConfigError(f"engine_dose_bits={self.engine_dose_bits}: the dose is emulated on the eager engines "
-                              f"only (backend emulated, engine vllm-eager or vllm-cpu-eager), not backend "
+                              f"only (backend emulated, engine {' or '.join(with_dose())}), not backend "
                               f"{self.backend!r} with engine {self.engine!r}")
         for key in ("learning_rate", "temperature", "is_cap", "max_grad_norm"):
             if not getattr(self, key) > 0:
@@ -271,7 +275,7 @@ class TrainConfig:
             raise ConfigError(f"heldout_prompts={self.heldout_prompts}: the held-out evaluation covers the tasks digits "
                               f"and arith, sampled by the emulated engine or TRL's colocated vLLM engine; not task "
                               f"{self.task!r} with backend {self.backend!r} in vllm_mode {self.vllm_mode!r}")
-        if self.vllm_cpu_gemm != "live" and (self.backend != "vllm" or self.engine not in CPU_ENGINES):
+        if self.vllm_cpu_gemm != "live" and (self.backend != "vllm" or not engine_spec(self.engine).cpu):
             raise ConfigError(f"vllm_cpu_gemm={self.vllm_cpu_gemm!r} applies to vLLM-CPU engines only (backend vllm, "
                               f"engine {' or '.join(CPU_ENGINES)}), not backend {self.backend!r} with engine "
                               f"{self.engine!r}")

