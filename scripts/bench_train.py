@@ -10,14 +10,20 @@
    steps per second and the full/baseline ratio. Goal: ratio <= 1.05.
 3. Times a 4-step smoke run through the command line, start-up included (goal: well under a minute).
 
-    .venv-vllm/bin/python scripts/bench_train.py --backend vllm --out results/bench/train_vllm_cpu.txt   # ~5 min
+    .venv-vllm/bin/python scripts/bench_train.py --backend vllm --out results/bench/train_vllm_cpu.txt   # ~45 min
 
 With ``--backend vllm`` (in the vLLM-CPU environment, ``make vllm-env``) the rollouts come from the real engine: TRL's
-colocated vLLM-CPU 0.31.0 in its default compiled mode, target ``vllm-cpu-compiled``. One warm-started tiny model
-(head_dim 32: vLLM-CPU has no 16) runs, in alternating rounds, each run building its own engine, with compiled region
-kernels (that target's default): ``baseline`` and ``full`` with the trainer's SDPA attention, and ``full`` and
-``baseline`` with the engine's own attention kernel (``attn=vllm_cpu``: vLLM's CPU ops forward, SDPA's gradient),
-the arm that is on-policy. Goal of the bridge: full+vllm_cpu <= 1.10x baseline+sdpa.
+colocated vLLM-CPU 0.31.0 in its default compiled mode, target ``vllm-cpu-compiled``, compiled region kernels, each run
+building its own engine. Two models (``VLLM_MODELS``): a warm-started tiny one (hidden 128, head_dim 32, <= 6 tokens,
+where fixed costs dominate) and a small one (hidden 512, 4 layers, 64-token completions). Four arms
+(``VLLM_ARMS``): ``baseline`` + SDPA (the reference), ``full`` + SDPA, ``full`` + the engine's own attention kernel
+with ``scoring: engine`` (the arm that is on-policy token for token), and ``baseline`` + SDPA with DDP's
+``find_unused_parameters=True`` (what the runner ran before it turned the search off). Each round runs every arm
+once, the order rotated by one arm per round; each ratio comes with a bootstrap interval and its per-round values,
+each arm with the fraction of tokens whose trainer log-prob is bitwise the engine's. Then one more run per arm under
+torch.profiler breaks a step down (generation, weight sync, attention forward and backward, fp32 regions, scoring,
+optimizer). Goal (issue "Exactly on-policy against the stock engine"): full + engine attention + engine scoring
+<= 1.05x baseline + SDPA on both models.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ def main(argv=None) -> int:
                    help="vllm: rollouts from the real vLLM-CPU engine (run in .venv-vllm)")
     p.add_argument("--models", nargs="+", choices=("tiny", "small"), default=None,
                    help="--backend vllm: which of the two models (default both)")
-    p.add_argument("--profile-steps", type=int, default=3,
+    p.add_argument("--profile-steps", type=int, default=2,
                    help="--backend vllm: steps profiled per arm for the breakdown (0: no breakdown)")
     args = p.parse_args(argv)
     vllm = args.backend == "vllm"
@@ -137,7 +143,7 @@ VLLM_ARMS = (
 # (name, make_tiny kwargs, pretrain-tiny steps (0: random weights), max_completion_length, steps per run)
 VLLM_MODELS = (
     ("tiny (h128, 2 layers, <=6 tokens)", {"hidden": 128, "heads": 4, "layers": 2}, 300, 6, 30),
-    ("small (h512, 4 layers, 64 tokens)", {"hidden": 512, "heads": 8, "kv_heads": 2, "layers": 4}, 0, 64, 8),
+    ("small (h512, 4 layers, 64 tokens)", {"hidden": 512, "heads": 8, "kv_heads": 2, "layers": 4}, 0, 64, 6),
 )
 # What the breakdown counts, by profiler event name; an event inside one already counted is not counted again.
 # The autograd Functions show up under their class names (forward) and "<name>Backward" (backward); rp: are the
