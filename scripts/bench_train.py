@@ -140,10 +140,13 @@ VLLM_ARMS = (
     ("full+vllm_cpu", "full", "vllm_cpu", "engine", False),
     ("baseline+sdpa find_unused", "baseline", "sdpa", "trl", True),
 )
-# (name, make_tiny kwargs, pretrain-tiny steps (0: random weights), max_completion_length, steps per run)
+# (name, make_tiny kwargs, pretrain-tiny steps (0: random weights), run overrides, steps per run). The small model's
+# bf16 steps take ~20 s on an AVX2 CPU (no bf16 GEMM units): 4 prompts x 4 completions a step there.
 VLLM_MODELS = (
-    ("tiny (h128, 2 layers, <=6 tokens)", {"hidden": 128, "heads": 4, "layers": 2}, 300, 6, 30),
-    ("small (h512, 4 layers, 64 tokens)", {"hidden": 512, "heads": 8, "kv_heads": 2, "layers": 4}, 0, 64, 6),
+    ("tiny (h128, 2 layers, 8x4 completions of <=6 tokens)", {"hidden": 128, "heads": 4, "layers": 2}, 300,
+     {"max_completion_length": 6}, 30),
+    ("small (h512, 4 layers, 4x4 completions of 64 tokens)", {"hidden": 512, "heads": 8, "kv_heads": 2, "layers": 4},
+     0, {"max_completion_length": 64, "prompts_per_step": 4, "per_device_batch_size": 16}, 4),
 )
 # What the breakdown counts, by profiler event name; an event inside one already counted is not counted again.
 # The autograd Functions show up under their class names (forward) and "<name>Backward" (backward); rp: are the
@@ -284,13 +287,13 @@ def main_vllm(args) -> int:
         "full+sdpa = full, SDPA, TRL's head; full+vllm_cpu = full, the engine's attention kernel (SDPA's "
         "gradient), scoring: engine (the on-policy arm); '... find_unused' = the same run with DDP's "
         "find_unused_parameters=True (transformers' default for a one-process DDP run, which the runner now turns "
-        "off). Region kernels compiled, colocated vLLM-CPU in compiled mode (target vllm-cpu-compiled), 8 prompts "
-        "x 4 completions per step, each run builds its own engine, the first step of each run dropped. Each "
-        "round runs every arm once, the order rotated by one arm per round.")
+        "off). Region kernels compiled, colocated vLLM-CPU in compiled mode (target vllm-cpu-compiled), "
+        "batch as each model's heading says, each run builds its own engine, the first step of each run dropped. "
+        "Each round runs every arm once, the order rotated by one arm per round.")
     models = VLLM_MODELS if args.models is None else [m for m in VLLM_MODELS if m[0].split()[0] in args.models]
     with tempfile.TemporaryDirectory() as tmp, _ranges():
         root = Path(tmp)
-        for mi, (name, shape, warm, tokens, steps) in enumerate(models):
+        for mi, (name, shape, warm, run, steps) in enumerate(models):
             steps = args.steps or steps
             model = make_tiny("qwen2", root / f"m{mi}", **shape)
             if warm:
@@ -307,8 +310,7 @@ def main_vllm(args) -> int:
                     tag = f"m{mi}r{r}{'u' if unused else ''}"
                     with _find_unused(unused):
                         ts = step_times(str(model), variant, steps, root, tag, "compiled", backend="vllm",
-                                        engine="vllm-cpu-compiled", attn=attn, scoring=scoring,
-                                        max_completion_length=tokens)
+                                        engine="vllm-cpu-compiled", attn=attn, scoring=scoring, **run)
                     times[label] += ts
                     per_round[label].append(statistics.median(ts))
                     out = root / f"{tag}-{variant}-compiled-{attn}"
@@ -338,7 +340,7 @@ def main_vllm(args) -> int:
                     cfg = build_config(overrides={"model": str(model), "variant": variant, "steps": last,
                                                   "kernels": "compiled", **RUN, "backend": "vllm",
                                                   "engine": "vllm-cpu-compiled", "attn": attn, "scoring": scoring,
-                                                  "max_completion_length": tokens})
+                                                  **run})
                     with _find_unused(unused):
                         run_train(cfg, root / f"m{mi}-prof-{label.replace(' ', '_').replace('+', '_')}",
                                   callbacks=[cb], log=lambda *_: None)
