@@ -141,12 +141,12 @@ VLLM_ARMS = (
     ("baseline+sdpa find_unused", "baseline", "sdpa", "trl", True),
 )
 # (name, make_tiny kwargs, pretrain-tiny steps (0: random weights), run overrides, steps per run). The small model's
-# bf16 steps take ~20 s on an AVX2 CPU (no bf16 GEMM units): 4 prompts x 4 completions a step there.
+# bf16 steps took ~45 s at 4 prompts x 4 completions on an AVX2 CPU (no bf16 GEMM units): 2 x 2 a step there.
 VLLM_MODELS = (
     ("tiny (h128, 2 layers, 8x4 completions of <=6 tokens)", {"hidden": 128, "heads": 4, "layers": 2}, 300,
      {"max_completion_length": 6}, 30),
-    ("small (h512, 4 layers, 4x4 completions of 64 tokens)", {"hidden": 512, "heads": 8, "kv_heads": 2, "layers": 4},
-     0, {"max_completion_length": 64, "prompts_per_step": 4, "per_device_batch_size": 16}, 4),
+    ("small (h512, 4 layers, 2x2 completions of 64 tokens)", {"hidden": 512, "heads": 8, "kv_heads": 2, "layers": 4},
+     0, {"max_completion_length": 64, "prompts_per_step": 2, "num_generations": 2, "per_device_batch_size": 4}, 4),
 )
 # What the breakdown counts, by profiler event name; an event inside one already counted is not counted again.
 # The autograd Functions show up under their class names (forward) and "<name>Backward" (backward); rp: are the
