@@ -1029,8 +1029,8 @@ def test_a_wrapped_submodule_is_refused_naming_its_class_and_what_to_do():
     with pytest.raises(TypeError) as err:
         apply_alignment(model, "full", "vllm-compiled")
     assert str(err.value) == (f"cannot align a {__name__}._Wrapper instance: apply_alignment expects transformers' "
-                              "Qwen2/Qwen3 modules (apply it before wrapping the model with FSDP or other module "
-                              "wrappers)")
+                              "modules of the families in roundalign/numerics/families.py (apply it before wrapping "
+                              "the model with FSDP or other module wrappers)")
     assert not any(type(m).__module__ == "roundalign.numerics.patch" for m in model.modules())
 
 
