@@ -83,6 +83,7 @@ RECHECK: list[tuple[str, list[str]]] = [
     # the engine registry: its records drive the plans, the emulated engine and the guard
     ("roundalign.numerics.engines.*", ["tests/test_engine_registry.py", "tests/test_vllm_guard.py",
                                        "tests/test_regions.py", "tests/test_engine.py"]),
+    ("roundalign.numerics.families.*", ["tests/test_families.py", "tests/test_direct_mutants.py", "tests/test_patch.py"]),
     ("roundalign.numerics.plan.*", ["tests/test_regions.py", "tests/test_patch.py", "tests/test_engine.py"]),
     # the dose (the dose experiment): its rounding, the engine's and the trainer's placement, and training under it
     ("roundalign.numerics.mantissa.*", ["tests/test_dose.py", "tests/test_patch.py", "tests/test_engine.py"]),

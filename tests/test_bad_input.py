@@ -44,11 +44,12 @@ def test_garbage_config_json_is_one_line_naming_the_file(tiny, tmp_path):
 
 
 def test_a_non_qwen_model_is_refused_naming_the_supported_architectures(tiny, tmp_path):
-    d = _copy(tiny, tmp_path, model_type="llama")
-    with pytest.raises(ModelConfigError, match="model_type 'llama' is not supported; roundalign aligns qwen2/qwen3"):
+    d = _copy(tiny, tmp_path, model_type="mistral")
+    with pytest.raises(ModelConfigError, match="model_type 'mistral' is not supported; roundalign aligns "
+                                               "qwen2/qwen3/llama"):
         check_model_config(d / "config.json")
     rc, lines = _cli("probe", "--model", str(d), "--out", str(tmp_path / "p.csv"))
-    assert rc != 0 and len(lines) <= 2 and "qwen2/qwen3" in lines[-1], lines
+    assert rc != 0 and len(lines) <= 2 and "qwen2/qwen3/llama" in lines[-1], lines
 
 
 def test_weights_that_do_not_fit_the_config_name_the_tensor(tiny, tmp_path):

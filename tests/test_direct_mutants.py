@@ -1029,8 +1029,8 @@ def test_a_wrapped_submodule_is_refused_naming_its_class_and_what_to_do():
     with pytest.raises(TypeError) as err:
         apply_alignment(model, "full", "vllm-compiled")
     assert str(err.value) == (f"cannot align a {__name__}._Wrapper instance: apply_alignment expects transformers' "
-                              "Qwen2/Qwen3 modules (apply it before wrapping the model with FSDP or other module "
-                              "wrappers)")
+                              "modules of the families in roundalign/numerics/families.py (apply it before wrapping "
+                              "the model with FSDP or other module wrappers)")
     assert not any(type(m).__module__ == "roundalign.numerics.patch" for m in model.modules())
 
 
@@ -1070,18 +1070,20 @@ def test_a_model_whose_mlp_is_not_swiglu_is_refused_naming_its_activation():
 
 
 def test_another_architecture_is_refused_with_the_whole_message():
-    """The message a Llama user gets, whole: the class, every supported class, the Qwen2.5 note and why."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The message a Mistral user gets, whole: the class, every supported class, the families' notes and why."""
+    from transformers import MistralConfig, MistralForCausalLM
 
     from roundalign.numerics.patch import SUPPORTED_MODEL_CLASSES
 
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, vocab_size=64))
+    mistral = MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
     with pytest.raises(TypeError) as err:
-        apply_alignment(llama, "full")
+        apply_alignment(mistral, "full")
     assert str(err.value) == (
-        f"unsupported model class LlamaForCausalLM; roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)} "
-        "(Qwen2.5 checkpoints load as Qwen2). Other architectures round in other places and need their own alignment.")
+        f"unsupported model class MistralForCausalLM; roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)} "
+        "(Qwen2.5 checkpoints load as Qwen2; Llama 3 and 3.1 checkpoints, with their rope scaling). Other "
+        "architectures round in other places and need their own family record (roundalign/numerics/families.py).")
+    assert "LlamaForCausalLM" in SUPPORTED_MODEL_CLASSES and "Qwen3MoeForCausalLM" not in SUPPORTED_MODEL_CLASSES
 
 
 def test_the_default_kernels_are_compiled_only_for_the_cpu_compiled_engine_on_bf16():

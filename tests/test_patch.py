@@ -142,12 +142,12 @@ def test_errors_name_the_culprit_and_the_choices():
         apply_alignment(model, "ropee")
     with pytest.raises(ValueError, match=r"unknown engine 'sglang'.*vllm-compiled, vllm-eager"):
         apply_alignment(model, "full", engine="sglang")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, vocab_size=64))
-    with pytest.raises(TypeError, match=r"LlamaForCausalLM.*Qwen2ForCausalLM, Qwen2Model"):
-        apply_alignment(llama, "full")
+    mistral = MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(TypeError, match=r"MistralForCausalLM.*Qwen2Model, Qwen2ForCausalLM"):
+        apply_alignment(mistral, "full")
 
 
 @pytest.mark.parametrize("head", ["ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"])

@@ -51,7 +51,8 @@ def test_build_and_load(built, arch, tie):
     assert cfg["dtype"] == "bfloat16" and cfg["model_type"] == arch and cfg["tie_word_embeddings"] is tie
 
     model = load_model(str(path))
-    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                     "llama": "LlamaForCausalLM"}[arch]
     assert not model.training
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     attn = model.model.layers[0].self_attn
@@ -59,9 +60,12 @@ def test_build_and_load(built, arch, tie):
         assert all(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj"))
         assert attn.q_proj.bias.float().std() > 0.5  # realistic (large) q bias, not zeros
         assert not hasattr(attn, "q_norm")
-    else:
+    elif arch == "qwen3":
         assert attn.q_proj.bias is None and attn.k_proj.bias is None
         assert attn.q_norm.weight.shape == (model.config.head_dim,) and hasattr(attn, "k_norm")
+    else:  # llama: no biases, no q/k norms, Llama 3.1's rope scaling
+        assert attn.q_proj.bias is None and not hasattr(attn, "q_norm")
+        assert model.config.rope_parameters["rope_type"] == "llama3"
     shared = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert shared is tie
     assert model.config.vocab_size % 64 == 0 and model.config.vocab_size >= tiny.TOKENIZER_SIZE

@@ -166,12 +166,18 @@ class EngineModel:
         if engine_spec(engine).compiled:
             # vLLM's own bf16 cos/sin table (RotaryEmbedding._compute_cos_sin_cache(), then .to(dtype))
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
-            rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-            if rope_type != "default":
-                raise ValueError(f"the compiled engine implements default (unscaled) RoPE; this model has {rope_type!r}")
+            rope = getattr(cfg, "rope_parameters", None) or {}
+            rope_type = rope.get("rope_type", "default")
+            if rope_type not in ("default", "llama3"):
+                raise ValueError(f"the compiled engine implements default and Llama 3 (llama3) RoPE; this model has "
+                                 f"{rope_type!r}")
+            llama3 = None if rope_type == "default" else dict(
+                scaling_factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                high_freq_factor=rope["high_freq_factor"], orig_max_position=rope["original_max_position_embeddings"])
             # on the model's device, as vLLM builds it on its own (a CPU table crashed the compiled engine on CUDA)
             self.cos_sin_cache = vllm_native.vllm_cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta,
-                                                                self.dtype, device=next(model.parameters()).device)
+                                                                self.dtype, device=next(model.parameters()).device,
+                                                                llama3=llama3)
             self.spec = compiled.make_spec(regions=regions, gemm=gemm, splitk_chunk=splitk_chunk,
                                            norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
                                            qk_norm=self.layers[0].q_norm is not None,

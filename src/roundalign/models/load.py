@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from roundalign.engine.choices import ATTN_IMPLS  # eager, sdpa, vllm_cpu, vllm_flash
+from roundalign.numerics.families import FAMILIES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -56,7 +57,8 @@ def _looks_local(s: str) -> bool:
     return any(sep in s for sep in seps) and not _HUB_ID_RE.fullmatch(s)
 
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")  # Qwen2.5 checkpoints are model_type qwen2
+# the model types of the families the alignment has (numerics/families.py); Qwen2.5 checkpoints are model_type qwen2
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 class ModelConfigError(ValueError):
@@ -65,7 +67,7 @@ class ModelConfigError(ValueError):
 
 def check_model_config(config_file: str | os.PathLike) -> dict:
     """Read a model's ``config.json`` and check what roundalign needs of it, before any weight is loaded: valid
-    JSON, a Qwen2/Qwen3 ``model_type`` (the alignment is written for their modules), and attention dimensions that
+    JSON, the ``model_type`` of a family the alignment has (``numerics/families.py``), and attention dimensions that
     fit together. Raises :class:`ModelConfigError` with one line naming the file and the problem."""
     import json
 
@@ -79,7 +81,8 @@ def check_model_config(config_file: str | os.PathLike) -> dict:
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(f"{f}: model_type {mt!r} is not supported; roundalign aligns "
-                               f"{'/'.join(SUPPORTED_MODEL_TYPES)} models (Qwen2, Qwen2.5, Qwen3) only")
+                               f"{'/'.join(SUPPORTED_MODEL_TYPES)} models only ("
+                               + "; ".join(fam.note for fam in FAMILIES.values() if fam.note) + ")")
     dims = {k: cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                     "intermediate_size", "num_hidden_layers", "vocab_size")}
     bad = [k for k, v in dims.items() if v is not None and (not isinstance(v, int) or v <= 0)]

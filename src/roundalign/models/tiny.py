@@ -86,7 +86,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen2", "qwen3")
+ARCHS = ("qwen2", "qwen3", "llama")  # llama: Llama 3.1-style, rope scaling "llama3" (numerics/families.py)
 
 #: Target std of next-token logits on random prompts (gives an entropy of a few nats).
 LOGIT_STD = 2.5
@@ -281,6 +281,18 @@ def _make_config(arch, sizes, *, hidden, layers, heads, kv_heads, tie, max_posit
     if arch == "qwen2":
         config = Qwen2Config(**common)
         config.architectures = ["Qwen2ForCausalLM"]
+    elif arch == "llama":
+        from transformers import LlamaConfig
+
+        for key in ("use_sliding_window", "max_window_layers"):  # Qwen's keys
+            common.pop(key)
+        # Llama 3.1's RoPE scaling ("llama3": frequencies of wavelength above the original context divided by 8; that
+        # context is half of max_position_embeddings here, as transformers wants it below)
+        common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": float(rope_theta), "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": max(max_position_embeddings // 2, 1)}
+        config = LlamaConfig(head_dim=sizes["head_dim"], attention_bias=False, mlp_bias=False, **common)
+        config.architectures = ["LlamaForCausalLM"]
     else:
         config = Qwen3Config(head_dim=sizes["head_dim"], attention_bias=False, **common)
         config.architectures = ["Qwen3ForCausalLM"]
@@ -347,7 +359,8 @@ def _apply_outliers(model, arch: str, scale: float, seed: int) -> None:
             for proj, n_heads in ((attn.q_proj, cfg.num_attention_heads), (attn.k_proj, cfg.num_key_value_heads)):
                 rows = [h * head_dim + c for h in range(n_heads) for c in chans]
                 proj.weight[rows] *= scale
-                proj.bias[rows] *= scale
+                if proj.bias is not None:  # Qwen2's q/k biases; Llama has none
+                    proj.bias[rows] *= scale
 
 
 def _normalise_modes(d: Path) -> None:

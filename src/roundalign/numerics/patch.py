@@ -78,10 +78,10 @@ from torch import nn
 from roundalign.numerics import mantissa
 from roundalign.numerics import regions
 from roundalign.numerics.engines import spec
+from roundalign.numerics.families import FAMILIES, family_of_class, supported_model_classes
 from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, default_kernel_mode, plan_for
 
-SUPPORTED_MODEL_CLASSES = tuple(f"Qwen{v}{head}" for v in ("2", "3") for head in (
-    "ForCausalLM", "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"))
+SUPPORTED_MODEL_CLASSES = supported_model_classes()  # every class of every family in numerics/families.py
 _STATE_ATTR = "_roundalign_state"  # (variant, engine, kernels) on the top-level model
 _PLAN_ATTR = "_roundalign_plan"  # RoundingPlan on each patched submodule
 _KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace on each patched submodule
@@ -131,17 +131,29 @@ def _while_compiling() -> None:
 def decoder_trunk(model: nn.Module) -> nn.Module:
     """The ``Qwen*Model`` inside ``model`` (or ``model`` itself)."""
     cls = type(model).__name__
-    if cls not in SUPPORTED_MODEL_CLASSES:
+    family = family_of_class(cls)
+    if family is None:
+        notes = "; ".join(f.note for f in FAMILIES.values() if f.note)
         raise TypeError(
             f"unsupported model class {cls}; roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)} "
-            "(Qwen2.5 checkpoints load as Qwen2). Other architectures round in other places and need their own "
-            "alignment."
+            f"({notes}). Other architectures round in other places and need their own family record "
+            "(roundalign/numerics/families.py)."
         )
+    rope = _rope_type(model.config)
+    if rope not in family.rope_types:
+        raise TypeError(f"{cls} with rope_type {rope!r}: the alignment of the {family.name} family is verified for "
+                        f"rope_type {', '.join(family.rope_types)} only")
     # every head class keeps its Qwen*Model under ``base_model_prefix`` ("model"; "transformer" for QA)
     return model if cls.endswith("Model") else model.base_model
 
 
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
 def _is_qwen3(attn: nn.Module) -> bool:
+    """Whether ``attn`` normalises q and k before RoPE (the family's ``qk_norm``: Qwen3)."""
     return hasattr(attn, "q_norm")
 
 
@@ -317,7 +329,7 @@ class _AlignedAttention:
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            sliding_window=self.sliding_window,
+            sliding_window=getattr(self, "sliding_window", None),  # Qwen's; Llama's attention has none
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -334,10 +346,10 @@ _STOCK: dict[type, type] = {}  # aligned subclass -> stock class
 
 
 def _define_aligned_classes() -> None:
-    from transformers.models.qwen2 import modeling_qwen2 as q2
-    from transformers.models.qwen3 import modeling_qwen3 as q3
+    import importlib
 
-    for mod, prefix in ((q2, "Qwen2"), (q3, "Qwen3")):
+    for family in FAMILIES.values():
+        mod, prefix = importlib.import_module(family.module), family.prefix
         for suffix, mixin in (("RMSNorm", _AlignedRMSNorm), ("DecoderLayer", _AlignedDecoderLayer),
                               ("MLP", _AlignedMLP), ("Attention", _AlignedAttention)):
             stock = getattr(mod, prefix + suffix)
@@ -358,7 +370,8 @@ def _stock_class(module: nn.Module) -> type:
     if cls in _ALIGNED:
         return cls
     raise TypeError(f"cannot align a {cls.__module__}.{cls.__name__} instance: apply_alignment expects transformers' "
-                    f"Qwen2/Qwen3 modules (apply it before wrapping the model with FSDP or other module wrappers)")
+                    f"modules of the families in roundalign/numerics/families.py (apply it before wrapping the model with "
+                    "FSDP or other module wrappers)")
 
 
 def _install(module: nn.Module, plan: RoundingPlan, kernels: str, **extra) -> None:

