@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import random_qwen
 from test_engine import prompts, trainer_logprobs
 
 from roundalign import apply_alignment
@@ -20,29 +21,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def random_llama(rope=None, hidden=64, layers=2, heads=4, kv_heads=2, vocab=128, seed=0):
-    """An in-memory random Llama with the scales of conftest.random_qwen (eager attention, fp32 inv_freq)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      tie_word_embeddings=False, max_position_embeddings=4096,
-                      rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.exp(0.3 * torch.randn_like(p)))
-            elif "embed" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    inv_freq = model.model.rotary_emb.inv_freq.clone()
-    model = model.to(torch.bfloat16)
-    model.model.rotary_emb.inv_freq = inv_freq
-    return model.eval()
+def random_llama(rope=None):
+    """conftest's random model (random_qwen's scales, eager attention, fp32 inv_freq) as a Llama."""
+    return random_qwen("llama", rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
 
 
 @pytest.mark.parametrize("engine", ["vllm-eager", "vllm-compiled", "vllm-cpu-eager", "vllm-cpu-compiled"])

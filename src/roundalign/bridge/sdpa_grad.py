@@ -27,7 +27,7 @@ def sdpa_grad_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
     On the CPU the requests of one shape run stacked, in one call: a request's own call is 3-D, for which torch picks
     its math kernel (fp32 inside for bf16 inputs), and the stacked call runs that kernel too
-    (``_cpu_backend``), which gives each request the same bits as its own call (tests/test_sdpa_grad.py) at a
+    (``SDPBackend.MATH``), which gives each request the same bits as its own call (tests/test_sdpa_grad.py) at a
     fraction of the per-call overhead: a GRPO batch of 32 short sequences took 28 ms a layer call by call and 9 ms
     stacked on an AVX2 CPU. Elsewhere (the CUDA bridge) each request keeps its own call."""
     if query.device.type == "cpu":
@@ -46,23 +46,17 @@ def sdpa_grad_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return dq, dk, dv
 
 
-def _cpu_backend():
-    """The SDPA kernel a 3-D (one request) CPU call runs: the math one (the CPU flash kernel takes 4-D inputs only)."""
-    from torch.nn.attention import SDPBackend
-
-    return SDPBackend.MATH
-
-
 def _sdpa_grad_stacked(query, key, value, spans, scale, grad_out):
     """``sdpa_grad_per_request`` with the requests of one (queries, keys) shape stacked into one math-kernel call."""
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     groups: dict[tuple[int, int], list] = {}
     for span in spans:
         _, q0, q1, lo, hi = span
         groups.setdefault((q1 - q0, hi - lo), []).append(span)
-    with torch.enable_grad(), torch.autocast(query.device.type, enabled=False), sdpa_kernel(_cpu_backend()):
+    # the math kernel: what a request's own 3-D CPU call runs (the CPU flash kernel takes 4-D inputs only)
+    with torch.enable_grad(), torch.autocast(query.device.type, enabled=False), sdpa_kernel(SDPBackend.MATH):
         for group in groups.values():
             q = torch.stack([query[b, :, q0:q1] for b, q0, q1, _, _ in group]).requires_grad_()
             k = torch.stack([key[b, :, lo:hi] for b, _, _, lo, hi in group]).requires_grad_()

@@ -485,18 +485,21 @@ def make_tiny(
 
 
 def random_qwen(arch: str, *, dtype=torch.bfloat16, tie=False, seed=0, hidden=64, layers=2, heads=4, kv_heads=2,
-                vocab=128, intermediate=None, attn="eager", device="cpu"):
-    """An in-memory random Qwen2/Qwen3 causal LM with realistic scales (for tests and numerics checks; no
-    tokenizer, nothing written): weights ~ N(0, 1/fan_in) so activations are O(1), non-unit norm weights
-    (lognormal, sigma 0.3), q/k/v biases ~ N(0, 1). With HF's default init (std 0.02, unit norms) bf16
+                vocab=128, intermediate=None, attn="eager", device="cpu", rope_parameters=None):
+    """An in-memory random Qwen2/Qwen3 (``arch="llama"``: Llama) causal LM with realistic scales (for tests and
+    numerics checks; no tokenizer, nothing written): weights ~ N(0, 1/fan_in) so activations are O(1), non-unit norm
+    weights (lognormal, sigma 0.3), q/k/v biases ~ N(0, 1). With HF's default init (std 0.02, unit norms) bf16
     ``weight * x`` is exact and the rounding differences under study mostly vanish. RoPE's ``inv_freq`` stays
     fp32, as ``from_pretrained(dtype=bf16)`` and vLLM keep it (``model.to(dtype)`` would cast it)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
-    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                          "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    extra = {} if rope_parameters is None else {"rope_parameters": rope_parameters}  # else the config's default
     cfg = cfg_cls(hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                  vocab_size=vocab, tie_word_embeddings=tie, max_position_embeddings=4096)
+                  vocab_size=vocab, tie_word_embeddings=tie, max_position_embeddings=4096, **extra)
     torch.manual_seed(seed)
     model = model_cls(cfg)
     with torch.no_grad():
