@@ -69,13 +69,14 @@ def test_families_name_their_classes_and_unsupported_ones_are_refused_in_one_lin
     # a rope parameterisation the family is not verified for
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    yarn = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                                         "original_max_position_embeddings": 1024}))
-    with pytest.raises(TypeError, match="Qwen2ForCausalLM with rope_type 'yarn': the alignment of the qwen2 family is "
-                                        "verified for rope_type default only"):
-        apply_alignment(yarn, "full")
+    longrope = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "original_max_position_embeddings": 1024,
+                         "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}))
+    with pytest.raises(TypeError, match="Qwen2ForCausalLM with rope_type 'longrope': the alignment of the qwen2 "
+                                        "family is verified for rope_type default, linear, dynamic, yarn, llama3 only"):
+        apply_alignment(longrope, "full")
 
 
 def test_make_tiny_builds_a_llama_with_llama3_rope(tmp_path):

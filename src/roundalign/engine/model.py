@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from roundalign.numerics import mantissa as dose, regions, vllm_native
-from roundalign.numerics.patch import decoder_trunk
+from roundalign.numerics.patch import decoder_trunk, engine_rotary
 from roundalign.numerics.engines import spec as engine_spec
 from roundalign.numerics.plan import RoundingPlan, engine_plan, plan_for
 from roundalign.engine import compiled
@@ -158,26 +158,18 @@ class EngineModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.scaling = self.head_dim ** -0.5
-        self.rotary_emb = trunk.rotary_emb  # stateless apart from inv_freq: cos/sin tables as HF computes them
+        self.rotary_emb = engine_rotary(trunk.rotary_emb)  # stateless apart from inv_freq: vLLM's cos/sin tables
         self.layers: list[_Layer] = []
         self.sync_weights(model)
         self.spec = None
         self.attention_handle = None
         if engine_spec(engine).compiled:
-            # vLLM's own bf16 cos/sin table (RotaryEmbedding._compute_cos_sin_cache(), then .to(dtype))
-            theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
-            rope = getattr(cfg, "rope_parameters", None) or {}
-            rope_type = rope.get("rope_type", "default")
-            if rope_type not in ("default", "llama3"):
-                raise ValueError(f"the compiled engine implements default and Llama 3 (llama3) RoPE; this model has "
-                                 f"{rope_type!r}")
-            llama3 = None if rope_type == "default" else dict(
-                scaling_factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-                high_freq_factor=rope["high_freq_factor"], orig_max_position=rope["original_max_position_embeddings"])
-            # on the model's device, as vLLM builds it on its own (a CPU table crashed the compiled engine on CUDA)
-            self.cos_sin_cache = vllm_native.vllm_cos_sin_cache(self.head_dim, cfg.max_position_embeddings, theta,
-                                                                self.dtype, device=next(model.parameters()).device,
-                                                                llama3=llama3)
+            # vLLM's own bf16 cos/sin table (get_rope's class for the rope type, its _compute_cos_sin_cache(), then
+            # .to(dtype)), on the model's device, as vLLM builds it on its own (a CPU table crashed the compiled
+            # engine on CUDA)
+            rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None)}
+            self.cos_sin_cache = vllm_native.vllm_rope_table(self.head_dim, cfg.max_position_embeddings, rope,
+                                                             self.dtype, device=next(model.parameters()).device)
             self.spec = compiled.make_spec(regions=regions, gemm=gemm, splitk_chunk=splitk_chunk,
                                            norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
                                            qk_norm=self.layers[0].q_norm is not None,

