@@ -160,7 +160,8 @@ def make_parser() -> argparse.ArgumentParser:
     pr.add_argument("--engine-gemm", default="same", help=f"engine GEMMs: {', '.join(ENGINE_GEMMS)}")
     pr.add_argument("--splitk-chunk", type=int, default=64, help="K-chunk of the splitk GEMM (partials stored in bf16), elements (default 64)")
     pr.add_argument("--norm-reduction", default="opaque",
-                    help="vllm-compiled engine's RMSNorm mean reduction: opaque (the trainer's eager kernel, "
+                    help="the emulated compiled engine's RMSNorm mean reduction (both backends: --backend vllm "
+                         "compares the real engine with an emulated one too): opaque (the trainer's eager kernel, "
                          "default) or inductor (Inductor's own summation order)")
     pr.add_argument("--kv-cache-dtype", default="auto",
                     help="emulated engine's KV-cache storage, vLLM's names: auto (model dtype, default), fp8_e4m3, "

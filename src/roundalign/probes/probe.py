@@ -56,8 +56,9 @@ class ProbeConfig:
         context_tokens: random filler tokens put before each prompt, to probe at realistic positions
             (RoPE's rounding differences grow with position).
         splitk_chunk: K-chunk size of the "splitk" engine GEMM, in elements.
-        norm_reduction: ``vllm-compiled`` only: "opaque" (the RMSNorm mean reduction runs the trainer's eager
-            kernel) or "inductor" (Inductor reduces it itself, in its own summation order).
+        norm_reduction: the emulated compiled engine's RMSNorm mean reduction: "opaque" (the trainer's eager kernel)
+            or "inductor" (Inductor reduces it itself, in its own summation order). Both backends use it (the vllm
+            backend for the emulated engine it compares with the real one).
         kv_cache_dtype: the emulated engine's KV-cache storage (vLLM's names): "auto", "fp8_e4m3", "fp8_e5m2".
         dtype: model dtype: "bf16", "fp16" or "fp32".
         dose_bits: a rounding dose at the aligned regions of an eager engine (``numerics.dose``; 7 = none): the engine

@@ -210,7 +210,10 @@ def run_probe_real(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda
     log(f"[probe] {label}: vLLM {cfg.engine} sampled {len(real)} completions, {n_real} tokens "
         f"({time.perf_counter() - t0:.1f}s)")
     model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn).to(device)
-    engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk)
+    engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
+                    norm_reduction=cfg.norm_reduction)
+    log(f"[probe] emulated engine {cfg.engine}: attn={cfg.attn}, gemm={cfg.engine_gemm}, norm reduction="
+        f"{engine.model.norm_reduction}")
     emulated = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                seed=cfg.seed, eos_token_id=tokenizer.eos_token_id, record_layer_states=True)
     engine_layer_rows = []
