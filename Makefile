@@ -28,7 +28,7 @@ export OMP_NUM_THREADS ?= 1
 # Snakemake's shell rules run `python -m roundalign` from PATH
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install vllm-env test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
+.PHONY: install vllm-env lint test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# ruff's rules are in pyproject.toml ([tool.ruff.lint]): bugs, not style
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin

@@ -178,7 +178,6 @@ def test_splitk_gemm_rounds_each_partial_to_bf16_then_sums_once():
     """Independent reference: float64 partial dot products (exact at these sizes), each partial rounded to
     bf16 (the reduced-precision split-K reduction), partials and bias summed exactly, rounded once. The
     engine's fp32 sum of 8 bf16 partials and a bf16 bias is exact here too, so the match is bitwise."""
-    from roundalign.engine import compiled
     model = random_qwen("qwen2", hidden=256)
     em = EngineModel(model, gemm="splitk", splitk_chunk=32)
     g = torch.Generator().manual_seed(0)

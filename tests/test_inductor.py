@@ -112,7 +112,7 @@ def compile_fn(tmp_path_factory):
 
         yield compile_and_run
         torch._dynamo.reset()
-    print("\n[inductor] total compile time {:.1f}s".format(sum(times.values())))
+    print(f"\n[inductor] total compile time {sum(times.values()):.1f}s")
 
 
 def _report(name, got, fused, eager):

@@ -109,7 +109,7 @@ def flash_attn_varlen_func(
     block_sparse_tensors=None,
     aux_tensors=None,
     aux_tensor_leading_dims=None,
-    dynamic_causal: "torch.Tensor | None" = None,
+    dynamic_causal: "torch.Tensor | None" = None,  # noqa: UP037  (vLLM 0.31.0 spells it so; compared verbatim)
 ):
     """Attention from the formula, in float64, rounded to q's dtype; K/V read as FlashAttention reads them: through
     ``block_table``/``seqused_k`` from a paged cache (num_pages, page_size, H_kv, D), or ``cu_seqlens_k`` from a packed

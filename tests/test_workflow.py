@@ -272,7 +272,6 @@ def _differing(committed: dict, rebuilt: dict) -> list:
     import io
 
     import matplotlib.image as mpimg
-    import numpy as np
 
     off = []
     for p, data in committed.items():

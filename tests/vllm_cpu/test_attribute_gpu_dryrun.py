@@ -90,7 +90,6 @@ import dataclasses
 import inspect
 import json
 import types
-import typing
 from pathlib import Path
 
 import pytest

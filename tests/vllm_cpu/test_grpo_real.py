@@ -24,7 +24,7 @@ from roundalign.bridge import vllm_cpu
 from roundalign.training.config import build_config
 from roundalign.models.pretrain import pretrain_tiny
 from roundalign.models.tiny import make_tiny
-from roundalign.training.train import TIMING_KEYS, run_train
+from roundalign.training.train import TIMING_KEYS
 
 QUIET = dict(log=lambda *_: None)
 # 2 prompts x 4 completions a step; head_dim 32 (vLLM-CPU's attention has no 16)

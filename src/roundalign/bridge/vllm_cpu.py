@@ -104,7 +104,7 @@ def available() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attn_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
     """The ISA vLLM's CPU backend picks for these settings (``_get_attn_isa``, cpu_attn.py:524)."""
     return _vllm()[2]._get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)

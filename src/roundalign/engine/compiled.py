@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +63,7 @@ from roundalign.engine.choices import NORM_REDUCTIONS  # noqa: E402  (re-exporte
 
 
 @torch.library.custom_op("roundalign::linear", mutates_args=())
-def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return F.linear(x, w, b)
 
 
@@ -73,7 +72,7 @@ def _(x, w, b):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-def splitk_linear(x: Tensor, w: Tensor, b: Optional[Tensor], chunk: int) -> Tensor:
+def splitk_linear(x: Tensor, w: Tensor, b: Tensor | None, chunk: int) -> Tensor:
     """A split-K GEMM with reduced-precision reduction: each K-chunk's partial product is accumulated in
     fp32 and stored in the output dtype, the partials are summed in fp32 in chunk order and rounded once.
 
@@ -93,7 +92,7 @@ def splitk_linear(x: Tensor, w: Tensor, b: Optional[Tensor], chunk: int) -> Tens
 
 
 @torch.library.custom_op("roundalign::linear_splitk", mutates_args=())
-def _linear_splitk(x: Tensor, w: Tensor, b: Optional[Tensor], chunk: int) -> Tensor:
+def _linear_splitk(x: Tensor, w: Tensor, b: Tensor | None, chunk: int) -> Tensor:
     return splitk_linear(x, w, b, chunk)
 
 

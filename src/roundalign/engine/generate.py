@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from roundalign.engine.model import EngineModel, KVCache
+from roundalign.engine.model import EngineModel
 from roundalign.numerics.sampler import apply_temperature as _apply_temperature
 
 

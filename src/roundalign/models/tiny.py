@@ -461,7 +461,7 @@ def make_tiny(
         ),
         "resolved": dict(sizes, tokenizer_size=TOKENIZER_SIZE),
         "init": dict(
-            embed_std=1.0, linear_std="1/sqrt(fan_in)", norm_weight="exp(N(0, %g^2))" % NORM_SIGMA,
+            embed_std=1.0, linear_std="1/sqrt(fan_in)", norm_weight=f"exp(N(0, {NORM_SIGMA:g}^2))",
             final_norm_scale=(LOGIT_STD / math.sqrt(hidden)) if tie else LOGIT_STD,
             final_norm_random_signs=bool(tie),
             qk_bias_std=QK_BIAS_STD if arch == "qwen2" else None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 # vLLM 0.31.0's CompilationMode values (vllm/config/compilation.py:37-51, an IntEnum), as the guard reads them
 COMPILE_NONE = 0  # CompilationMode.NONE (enforce_eager=True)

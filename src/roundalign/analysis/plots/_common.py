@@ -103,7 +103,7 @@ class Tables:
         return name in self._cache or (self.dir / f"{name}.csv").is_file()
 
 
-def tables(aggregate: "str | Path | Tables") -> Tables:
+def tables(aggregate: str | Path | Tables) -> Tables:
     """``aggregate`` as a ``Tables`` (a directory path is wrapped; a ``Tables`` is returned as it is)."""
     return aggregate if isinstance(aggregate, Tables) else Tables(aggregate)
 
