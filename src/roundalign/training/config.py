@@ -35,7 +35,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 PROMPT_STYLES = ("fixed", "variable")
 DTYPES = ("bf16", "fp16", "fp32")
 SCORINGS = ("trl", "engine")
-VLLM_CPU_GEMMS = ("live", "stock")
+VLLM_CPU_GEMMS = ("live", "stock", "repack")
 
 
 class ConfigError(ValueError):
@@ -233,7 +233,10 @@ class TrainConfig:
             "stock": "nothing replaced: vLLM's own dispatch, accepted where it keeps every weight in place (its "
                      "torch.nn.functional.linear fallback, as on AVX2 CPUs, where oneDNN builds no bf16 matmul); "
                      "where it prepacks weights (oneDNN, SGL, zentorch) TRL's sync cannot reach them, and the run "
-                     "stops before step 1 naming the kernels"}) + ".")
+                     "stops before step 1 naming the kernels",
+            "repack": "vLLM's own GEMM kernels, whichever it picks on this CPU (prepacked oneDNN on AVX-512, SGL on "
+                      "AMX), with the weights kept in place: after each TRL weight sync vLLM's own dispatch runs "
+                      "again and prepacks the new weights (bridge.vllm_cpu.install_repack_gemm_dispatch)"}) + ".")
     heldout_prompts: int = _setting(
         0, help="Held-out problems on which the policy's reward is measured by the engine before the first step and "
                 "after the last (run.json heldout_initial / heldout_final; roundalign.training.heldout); 0 = off. "

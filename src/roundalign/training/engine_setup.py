@@ -16,7 +16,8 @@ def before_trainer(cfg, log=print):
 
     vLLM-CPU prepacks its GEMM weights and drops the parameters TRL's weight sync writes, so its linears run
     F.linear on the live parameters instead (installed before the LLM exists; tests/vllm_cpu), unless
-    ``vllm_cpu_gemm`` is "stock" (vLLM's own dispatch, checked in ``after_trainer``); its KV cache is sized for tiny
+    ``vllm_cpu_gemm`` is "stock" (vLLM's own dispatch, checked in ``after_trainer``) or "repack" (vLLM's own
+    kernels on weights kept in place, prepacked again after each sync: ``repack_after_sync``); its KV cache is sized for tiny
     models. The LLM's own options (eager mode, dtype) go in through TRL's constructor call
     (``trl_bridge.vllm_llm_overrides``) when colocated; a server started by hand must be given them, and the log
     says which."""
@@ -26,10 +27,11 @@ def before_trainer(cfg, log=print):
     from roundalign.training.trl_bridge import vllm_llm_overrides
 
     if spec(cfg.engine).cpu:
-        from roundalign.bridge.vllm_cpu import install_live_gemm_dispatch, small_kv_cache, uninstall_live_gemm_dispatch
+        from roundalign.bridge import vllm_cpu
 
-        (install_live_gemm_dispatch if cfg.vllm_cpu_gemm == "live" else uninstall_live_gemm_dispatch)()
-        small_kv_cache()
+        {"live": vllm_cpu.install_live_gemm_dispatch, "stock": vllm_cpu.uninstall_live_gemm_dispatch,
+         "repack": vllm_cpu.install_repack_gemm_dispatch}[cfg.vllm_cpu_gemm]()
+        vllm_cpu.small_kv_cache()
     overrides = {}
     if not spec(cfg.engine).compiled:
         overrides["enforce_eager"] = True
@@ -43,6 +45,31 @@ def before_trainer(cfg, log=print):
             + ("--dtype float16 " if cfg.dtype == "fp16" else "") + "--logprobs_mode processed_logprobs")
         return contextlib.nullcontext()
     return vllm_llm_overrides(**overrides)
+
+
+def repack_after_sync(trainer) -> int:
+    """Make TRL's colocated weight sync (``trainer.vllm_generation.sync_weights``) prepack the new weights into
+    vLLM-CPU's own GEMM kernels once it has loaded them (vllm_cpu_gemm=repack); returns the engine's repacked layer
+    count (0: the engine was not built with the repack dispatch, and the run stops)."""
+    from roundalign.bridge.vllm_cpu import repack_gemms
+    from roundalign.bridge.vllm_internals import colocated_llm, inprocess_model
+
+    gen = trainer.vllm_generation
+    model = inprocess_model(colocated_llm(trainer))
+    n = repack_gemms(model) if model is not None else 0
+    if n == 0:
+        raise RuntimeError("vllm_cpu_gemm='repack': the colocated engine has no layer dispatched by "
+                           "bridge.vllm_cpu.install_repack_gemm_dispatch (it must run in this process, built after "
+                           "before_trainer)")
+    sync = gen.sync_weights
+
+    def sync_and_repack(*args, **kwargs):
+        out = sync(*args, **kwargs)
+        repack_gemms(model)
+        return out
+
+    gen.sync_weights = sync_and_repack
+    return n
 
 
 def after_trainer(trainer, model, cfg, log=print) -> tuple[dict | None, list | None]:
@@ -65,7 +92,9 @@ def after_trainer(trainer, model, cfg, log=print) -> tuple[dict | None, list | N
         record["kernels"] = kernels
         record["gemm_dispatch"] = cfg.vllm_cpu_gemm
         want = LIVE_GEMM if cfg.vllm_cpu_gemm == "live" else STOCK_FALLBACK_GEMM
-        if set(kernels.get("gemm", {})) != {want}:
+        if cfg.vllm_cpu_gemm == "repack":
+            record["repacked_layers"] = repack_after_sync(trainer)
+        elif set(kernels.get("gemm", {})) != {want}:
             if cfg.vllm_cpu_gemm == "stock":
                 raise RuntimeError(f"vllm_cpu_gemm='stock': on this CPU vLLM's own dispatch runs {kernels.get('gemm')}"
                                    f" (linear layers per kernel), not its {STOCK_FALLBACK_GEMM} fallback on every "
