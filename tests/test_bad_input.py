@@ -95,3 +95,19 @@ def test_a_misspelled_sweep_key_gets_the_closest_valid_key_not_the_schema(tmp_pa
     assert "unknown key 'seedz' in (top level); did you mean 'seeds'" in msg
     assert "unknown key 'learning_rat' in train; did you mean 'learning_rate'" in msg
     assert "variants.1: 'fulll' is not one of" in msg
+
+
+def test_a_sweep_probe_setting_its_backend_does_not_use_is_refused_not_dropped():
+    import yaml
+    from snakemake.utils import validate
+
+    from roundalign.training.config import ConfigError
+    from roundalign.training.sweep import Sweep
+
+    cfg = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
+    validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
+    assert cfg["probe"]["backend"] == "emulated"
+    Sweep(cfg)  # as committed: trainer_attn same
+    cfg["probe"]["trainer_attn"] = "sdpa"
+    with pytest.raises(ConfigError, match=r"probe.trainer_attn='sdpa' is the vllm backend's .* use trainer_attn: same"):
+        Sweep(cfg)

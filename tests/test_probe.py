@@ -76,6 +76,9 @@ def test_bad_input_fails_before_loading(tiny_models, tmp_path, capsys):
     assert "eager, sdpa" in capsys.readouterr().err
     assert main(["probe", "--model", str(tiny_models["qwen2"]), "--norm-reduction", "fast", "--out", str(out)]) == 2
     assert "opaque, inductor" in capsys.readouterr().err
+    # a setting the emulated probe does not use is refused, not dropped
+    assert main(["probe", "--model", str(tiny_models["qwen2"]), "--trainer-attn", "sdpa", "--out", str(out)]) == 2
+    assert "trainer_attn='sdpa' is the vllm backend's" in capsys.readouterr().err
     assert not out.exists()
 
 

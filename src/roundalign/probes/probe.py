@@ -225,6 +225,10 @@ def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
 
     from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
 
+    if cfg.trainer_attn is not None:
+        raise ValueError(f"trainer_attn={cfg.trainer_attn!r} is the vllm backend's (the trainer's attention when it "
+                         "rescores the real engine's tokens); the emulated probe's trainer and engine both attend with "
+                         "--attn")
     resolve_model_path(cfg.model)  # fail fast on a missing model, before loading anything
     out_csv = check_writable(out_csv)
     layers_csv = out_csv.with_name(out_csv.stem + "_layers.csv")

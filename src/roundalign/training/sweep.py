@@ -56,6 +56,11 @@ class Sweep:
         for key in _PER_RUN_KEYS:
             if key in config.get("train", {}):
                 raise ConfigError(f"train.{key} is set per run by the sweep; remove it from train:")
+        probe_cfg = config.get("probe", {})
+        if probe_cfg.get("backend") == "emulated" and probe_cfg.get("trainer_attn", "same") != "same":
+            raise ConfigError(f"probe.trainer_attn={probe_cfg['trainer_attn']!r} is the vllm backend's (the trainer's "
+                              "attention when it rescores the real engine's tokens); with probe.backend emulated the "
+                              "trainer and engine both attend with probe.attn: use trainer_attn: same")
         stress = config.get("stress")
         if stress is not None:
             probe = build_config(overrides={"model": "check"}).to_dict()
