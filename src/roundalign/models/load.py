@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from roundalign.engine.choices import ATTN_IMPLS  # eager, sdpa, vllm_cpu, vllm_flash
-from roundalign.numerics.families import FAMILIES
+from roundalign.numerics.families import FAMILIES, not_aligned_yet
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -82,7 +82,8 @@ def check_model_config(config_file: str | os.PathLike) -> dict:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(f"{f}: model_type {mt!r} is not supported; roundalign aligns "
                                f"{'/'.join(SUPPORTED_MODEL_TYPES)} models only ("
-                               + "; ".join(fam.note for fam in FAMILIES.values() if fam.note) + ")")
+                               + "; ".join(fam.note for fam in FAMILIES.values() if fam.note) + ")"
+                               + not_aligned_yet(model_type=mt))
     dims = {k: cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                     "intermediate_size", "num_hidden_layers", "vocab_size")}
     bad = [k for k, v in dims.items() if v is not None and (not isinstance(v, int) or v <= 0)]

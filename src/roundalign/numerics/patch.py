@@ -78,7 +78,7 @@ from torch import nn
 from roundalign.numerics import mantissa
 from roundalign.numerics import regions
 from roundalign.numerics.engines import spec
-from roundalign.numerics.families import FAMILIES, family_of_class, supported_model_classes
+from roundalign.numerics.families import FAMILIES, family_of_class, not_aligned_yet, supported_model_classes
 from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, default_kernel_mode, plan_for
 
 SUPPORTED_MODEL_CLASSES = supported_model_classes()  # every class of every family in numerics/families.py
@@ -137,7 +137,7 @@ def decoder_trunk(model: nn.Module) -> nn.Module:
         raise TypeError(
             f"unsupported model class {cls}; roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)} "
             f"({notes}). Other architectures round in other places and need their own family record "
-            "(roundalign/numerics/families.py)."
+            "(roundalign/numerics/families.py)." + not_aligned_yet(cls_name=cls)
         )
     rope = _rope_type(model.config)
     if rope not in family.rope_types:
