@@ -129,13 +129,16 @@ LIVE_GEMM = "F.linear (live weights)"
 STOCK_FALLBACK_GEMM = "F.linear"
 
 
+@functools.cache
 def _checked_stock_dispatch():
-    """vLLM's own ``dispatch_cpu_unquantized_gemm`` (under any wrapper of ours), checked to be 0.31.0's."""
+    """vLLM's own ``dispatch_cpu_unquantized_gemm`` (under any wrapper of ours), checked once per process to be
+    0.31.0's (the check reads its source)."""
     import inspect
 
     U = cpu_gemm_utils()
     orig = U.dispatch_cpu_unquantized_gemm
-    orig = getattr(orig, "__wrapped__", orig) if getattr(orig, "_roundalign_dispatch", None) else orig
+    if getattr(orig, "_roundalign_dispatch", None):
+        orig = orig.__wrapped__
     params = list(inspect.signature(orig).parameters)
     src = inspect.getsource(orig)
     if params != ["layer", "remove_weight"] or "layer.cpu_linear" not in src or "cpu_unquantized_gemm" not in \

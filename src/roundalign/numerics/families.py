@@ -73,6 +73,12 @@ def not_aligned_yet(model_type: str | None = None, cls_name: str | None = None) 
     return ""
 
 
+def rope_type(rope_parameters: dict | None) -> str:
+    """The ``rope_type`` of a config's ``rope_parameters`` (or legacy ``rope_scaling``, whose key was ``type``)."""
+    params = rope_parameters or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
 def family_of_class(cls_name: str) -> Family | None:
     """The family whose model classes include ``cls_name``, or None."""
     return next((f for f in FAMILIES.values() if cls_name in f.model_classes), None)

@@ -78,7 +78,7 @@ from torch import nn
 from roundalign.numerics import mantissa
 from roundalign.numerics import regions
 from roundalign.numerics.engines import spec
-from roundalign.numerics.families import FAMILIES, family_of_class, not_aligned_yet, supported_model_classes
+from roundalign.numerics.families import FAMILIES, family_of_class, not_aligned_yet, rope_type, supported_model_classes
 from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, default_kernel_mode, plan_for
 
 SUPPORTED_MODEL_CLASSES = supported_model_classes()  # every class of every family in numerics/families.py
@@ -139,17 +139,12 @@ def decoder_trunk(model: nn.Module) -> nn.Module:
             f"({notes}). Other architectures round in other places and need their own family record "
             "(roundalign/numerics/families.py)." + not_aligned_yet(cls_name=cls)
         )
-    rope = _rope_type(model.config)
+    rope = rope_type(getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None))
     if rope not in family.rope_types:
         raise TypeError(f"{cls} with rope_type {rope!r}: the alignment of the {family.name} family is verified for "
                         f"rope_type {', '.join(family.rope_types)} only")
     # every head class keeps its Qwen*Model under ``base_model_prefix`` ("model"; "transformer" for QA)
     return model if cls.endswith("Model") else model.base_model
-
-
-def _rope_type(config) -> str:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return params.get("rope_type", params.get("type", "default"))
 
 
 def _is_qwen3(attn: nn.Module) -> bool:
@@ -352,7 +347,7 @@ class _AlignedRotaryEmbedding:
         factor = self.config.rope_parameters["factor"]
         inv_freq, _ = self.compute_default_rope_parameters(self.config, x.device)
         inv_freq = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
-        positions = (position_ids[:, None, :].float() / factor)
+        positions = position_ids[:, None, :].float() / factor
         with torch.autocast(device_type=x.device.type if x.device.type != "mps" else "cpu", enabled=False):
             freqs = (inv_freq @ positions).transpose(1, 2)
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -362,7 +357,7 @@ class _AlignedRotaryEmbedding:
 
 def engine_rotary(rotary_emb: nn.Module) -> nn.Module:
     """A copy of a family's rotary embedding module that computes the engine's (vLLM's) cos/sin tables, sharing
-    its buffers; ``rotary_emb`` itself is unchanged (the emulated engine's eager modes use it)."""
+    its buffers (the emulated engine's eager modes use it); ``rotary_emb`` itself is unchanged."""
     out = copy.copy(rotary_emb)
     out.__class__ = _ALIGNED[_stock_class(rotary_emb)]
     return out

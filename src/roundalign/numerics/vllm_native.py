@@ -28,6 +28,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from roundalign.numerics.families import rope_type
+
 
 def native_mean_sq(x_var):
     return x_var.pow(2).mean(dim=-1, keepdim=True)
@@ -152,7 +154,7 @@ def vllm_rope_table(head_size, max_pos, rope_parameters, dtype, device=None):
     dynamic_ntk_scaling_rope,yarn_scaling_rope,common}.py``. The table has ``max_pos`` rows, ``max_pos * factor``
     for linear and ``original_max_position_embeddings * factor`` for YaRN, as vLLM's."""
     rope = dict(rope_parameters or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope_type(rope)
     base = rope.get("rope_theta", 10000)
     if kind not in ROPE_TYPES:
         raise ValueError(f"vLLM's {kind!r} RoPE table is not emulated; emulated: {', '.join(ROPE_TYPES)}")
@@ -176,9 +178,7 @@ def vllm_rope_table(head_size, max_pos, rope_parameters, dtype, device=None):
         inv_freq, scale = _yarn(head_size, rope["original_max_position_embeddings"], base, factor, rope, device)
         t = torch.arange(rope["original_max_position_embeddings"] * factor, dtype=torch.float32, device=device)
     freqs = torch.einsum("i,j -> ij", t, inv_freq)
-    if kind == "yarn":
-        return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(dtype)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+    return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(dtype)  # scale 1.0 but for YaRN: exact
 
 
 def _yarn_mscale(scale=1, mscale=1):
