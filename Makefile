@@ -16,7 +16,7 @@
 #   make report   -> report.html (snakemake --report) for the smoke sweep
 #   make bench    -> the benchmarks and records under results/bench/ (vllm_cpu.txt: the real engine,
 #                    run in .venv-vllm)
-#   make slurm-up / slurm-down -> that one-node SLURM (scripts/slurm_local.sh; root; installs slurm-wlm + munge)
+#   make slurm-up / slurm-down -> that one-node SLURM (tools/cluster/slurm_local.sh; root; installs slurm-wlm + munge)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -60,7 +60,7 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-env: $(VLLM_STAMP)
 
-SLURM_LOCAL := scripts/slurm_local.sh
+SLURM_LOCAL := tools/cluster/slurm_local.sh
 export ROUNDALIGN_SLURM_DIR ?= /tmp/roundalign-slurm
 
 # The two environments' suites run side by side on a machine with 2+ cores (each is mostly one torch thread);
@@ -125,41 +125,41 @@ figures: $(STAMP)
 # CHUNK=k` (k = 0..3) unpacks the committed chunks, trains chunk k's 40 runs and packs them into
 # results/dose/chunks/ to commit; `make dose` unpacks every committed chunk, trains the runs no chunk holds yet (all
 # of them from an empty results/dose/chunks/: ~2.6 h), then aggregates and draws the figures. No mtime
-# trigger: a fresh clone's rebuilt warm start would otherwise retrain every unpacked run (scripts/dose_chunks.py).
+# trigger: a fresh clone's rebuilt warm start would otherwise retrain every unpacked run (tools/cluster/dose_chunks.py).
 DOSE_SMK = $(BIN)/snakemake --cores 2 --configfile configs/dose.yaml --rerun-triggers code input params software-env
 dose-chunk: $(STAMP)
 	@test -n "$(CHUNK)" || { echo "make dose-chunk: name the chunk, e.g. make dose-chunk CHUNK=0" >&2; exit 2; }
-	$(BIN)/python scripts/dose_chunks.py restore
-	$(DOSE_SMK) --keep-going results/dose/probe/dose_probe.csv $$($(BIN)/python scripts/dose_chunks.py targets $(CHUNK))
-	$(BIN)/python scripts/dose_chunks.py pack $(CHUNK)
+	$(BIN)/python -m tools.cluster.dose_chunks restore
+	$(DOSE_SMK) --keep-going results/dose/probe/dose_probe.csv $$($(BIN)/python -m tools.cluster.dose_chunks targets $(CHUNK))
+	$(BIN)/python -m tools.cluster.dose_chunks pack $(CHUNK)
 
 dose: $(STAMP)
-	$(BIN)/python scripts/dose_chunks.py restore
+	$(BIN)/python -m tools.cluster.dose_chunks restore
 	$(DOSE_SMK)
 
 report: $(STAMP)
 	$(BIN)/snakemake --report report.html
 
 bench: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python scripts/bench_numerics.py --out results/bench/numerics.txt
-	$(BIN)/python scripts/bench_compile.py --hidden 128 --layers 2 --seq 256 --out results/bench/compile.txt
-	$(VLLM_BIN)/python scripts/bench_vllm_cpu.py --out results/bench/vllm_cpu.txt
-	$(BIN)/python scripts/bench_train.py --out results/bench/train.txt
-	$(VLLM_BIN)/python scripts/bench_train.py --backend vllm --out results/bench/train_vllm_cpu.txt
-	$(BIN)/python scripts/bench_workflow.py --out results/bench/workflow.txt
-	$(BIN)/python scripts/bench_memory.py --out results/bench/memory.txt
-	$(BIN)/python scripts/bench_checkpoint.py --out results/bench/checkpoint.txt
-	$(BIN)/python scripts/hf_model_tests.py --out results/bench/hf_model_tests.txt
+	$(BIN)/python -m tools.bench.numerics --out results/bench/numerics.txt
+	$(BIN)/python -m tools.bench.compile --hidden 128 --layers 2 --seq 256 --out results/bench/compile.txt
+	$(VLLM_BIN)/python -m tools.bench.vllm_cpu --out results/bench/vllm_cpu.txt
+	$(BIN)/python -m tools.bench.train --out results/bench/train.txt
+	$(VLLM_BIN)/python -m tools.bench.train --backend vllm --out results/bench/train_vllm_cpu.txt
+	$(BIN)/python -m tools.bench.workflow --out results/bench/workflow.txt
+	$(BIN)/python -m tools.bench.memory --out results/bench/memory.txt
+	$(BIN)/python -m tools.bench.checkpoint --out results/bench/checkpoint.txt
+	$(BIN)/python -m tools.bench.hf_model_tests --out results/bench/hf_model_tests.txt
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(WORK) .pytest_cache
 
 # Mutation testing, two tiers. Tier 1, mutmut 3 ([tool.mutmut] in pyproject.toml): every mutant of numerics/ (but
 # vllm_native.py), metrics.py and training/checkpoints.py against the fast tests that reach its function, one child
-# process. Tier 2, scripts/mutation_recheck.py: each mutant tier 1 left alive reruns alone in a fresh process against
+# process. Tier 2, tools/mutation/recheck.py: each mutant tier 1 left alive reruns alone in a fresh process against
 # the slow tests of its file (import-time code, Inductor-only code, end-to-end checkpoint tests), MUTATION_JOBS at
 # once. A fresh run every time (MUTATION_FRESH=0 keeps mutants/ and reruns only what changed).
-# scripts/mutation_report.py writes results/bench/mutation.txt and fails on a survivor it has no explanation for.
+# tools/mutation/report.py writes results/bench/mutation.txt and fails on a survivor it has no explanation for.
 MUTATION_FRESH ?= 1
 MUTATION_JOBS ?= 1
 mutation: $(STAMP)
@@ -168,6 +168,6 @@ mutation: $(STAMP)
 	@t0=$$(date +%s); rc=0; $(BIN)/mutmut run --max-children 1 >mutants-run.log 2>&1 || rc=$$?; \
 	    tr '\r' '\n' <mutants-run.log | grep -v '^ *[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏]' | tail -5; mv mutants-run.log mutants/run.log; \
 	    [ $$rc = 0 ] || { echo "make mutation: mutmut run failed ($$rc; mutants/run.log)"; exit $$rc; }; \
-	    t1=$$(date +%s); $(BIN)/python scripts/mutation_recheck.py --jobs $(MUTATION_JOBS) || exit $$?; \
-	    $(BIN)/python scripts/mutation_report.py --wall-s $$(( t1 - t0 )) --recheck-wall-s $$(( $$(date +%s) - t1 )) \
+	    t1=$$(date +%s); $(BIN)/python -m tools.mutation.recheck --jobs $(MUTATION_JOBS) || exit $$?; \
+	    $(BIN)/python -m tools.mutation.report --wall-s $$(( t1 - t0 )) --recheck-wall-s $$(( $$(date +%s) - t1 )) \
 	        --out results/bench/mutation.txt

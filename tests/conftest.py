@@ -23,3 +23,12 @@ def arch(request):
 @pytest.fixture
 def clone():
     return copy.deepcopy
+
+
+@pytest.fixture
+def fresh_region_kernels(monkeypatch):
+    """Region kernels built anew in the test that uses this: ``region_kernels`` caches them per process, and a kernel
+    built before the test (by another test, or before mutmut forked its worker) would hide what building it does."""
+    from roundalign.numerics import regions
+
+    monkeypatch.setattr(regions, "_KERNEL_CACHE", {})

@@ -1,7 +1,7 @@
 """Activation memory of an aligned model: ``full`` must keep no more than 1.10x the bytes ``baseline`` keeps.
 
 Bytes are deterministic (no timing): the same model and batch give the same counts on any CPU. The full
-measurement over both architectures, with and without gradient checkpointing, is scripts/bench_memory.py
+measurement over both architectures, with and without gradient checkpointing, is tools/bench/memory.py
 (results/bench/memory.txt).
 """
 

@@ -9,6 +9,8 @@ completion marker; right after the marker); the resumes run in this process."""
 import json
 import os
 import shutil
+import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +199,207 @@ def test_mark_complete_flushes_every_file_before_the_marker_exists(tmp_path, mon
     assert before == {"checkpoint-3", "checkpoint-3/global_step3", "checkpoint-3/model.safetensors",
                       "checkpoint-3/optimizer.pt", "checkpoint-3/global_step3/shard.pt"}, events
     assert events[marker_at + 1:] == [("fsync", f"checkpoint-3/{C.MARKER}"), ("fsync", "checkpoint-3")], events
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The in-process paths of resume and rotation, without a training run. The end-to-end tests above (real SIGKILLs of a
+# ``roundalign train`` process, ~10-40 s each) cover them too; the first tier of ``make mutation`` deselects those and
+# relies on these (fast, no slow marker), each against a reference written here.
+
+
+def _ckpt(root, step, complete=True, state="{}"):
+    from roundalign.training import checkpoints as C
+
+    ckpt = root / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "optimizer.pt").write_bytes(b"o" * (10 + step))
+    (ckpt / "trainer_state.json").write_text(state)
+    if complete:
+        C.mark_complete(ckpt)
+    return ckpt
+
+
+def test_checkpoints_are_listed_by_step_number_and_only_checkpoint_dirs(tmp_path):
+    from roundalign.training import checkpoints as C
+
+    assert C.checkpoints(tmp_path / "absent") == []
+    for name in ("checkpoint-10", "checkpoint-2", "checkpoint-9", "checkpoint-x", "checkpoint-3-old", "incomplete"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint-4").write_text("a file, not a checkpoint")
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-9", "checkpoint-10"]
+    assert C.step_of(tmp_path / "checkpoint-10") == 10
+
+
+def test_latest_complete_sets_aside_every_newer_incomplete_one_under_a_fresh_name(tmp_path, monkeypatch):
+    from roundalign.training import checkpoints as C
+
+    monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
+    _ckpt(tmp_path, 2)
+    _ckpt(tmp_path, 4)
+    _ckpt(tmp_path, 6, complete=False)
+    _ckpt(tmp_path, 8, state="{not json")
+    for taken in ("checkpoint-6", "checkpoint-6.1"):  # names already taken by earlier set-asides
+        (tmp_path / "incomplete" / taken).mkdir(parents=True)
+    lines = []
+    got, aside = C.latest_complete(tmp_path, log=lines.append)
+    assert got == tmp_path / "checkpoint-4"
+    assert [(r["checkpoint"], r["moved_to"]) for r in aside] == [
+        ("checkpoint-8", str(tmp_path / "incomplete" / "checkpoint-8")),
+        ("checkpoint-6", str(tmp_path / "incomplete" / "checkpoint-6.2"))]
+    assert aside[0]["problem"].startswith("trainer_state.json unreadable (")
+    assert aside[1]["problem"] == f"no {C.MARKER} (the save did not finish)"
+    assert lines == [f"[train] checkpoint-8 is incomplete ({aside[0]['problem']}): moved to {aside[0]['moved_to']}; "
+                     "resuming from an earlier one",
+                     f"[train] checkpoint-6 is incomplete ({aside[1]['problem']}): moved to {aside[1]['moved_to']}; "
+                     "resuming from an earlier one"]
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4"]
+    assert (tmp_path / "incomplete" / "checkpoint-6.2" / "optimizer.pt").is_file()  # moved, not deleted
+    # nothing complete left: None, and every one set aside
+    (tmp_path / "checkpoint-2" / "optimizer.pt").unlink()
+    (tmp_path / "checkpoint-4" / C.MARKER).write_text("[]")
+    got, aside = C.latest_complete(tmp_path, log=lines.append)
+    assert got is None and [r["checkpoint"] for r in aside] == ["checkpoint-4", "checkpoint-2"]
+    assert aside[0]["problem"].startswith(f"{C.MARKER} unreadable (") and aside[1]["problem"] == "optimizer.pt is missing"
+
+
+def test_rotate_keeps_the_newest_complete_ones_and_never_touches_an_incomplete_one(tmp_path, monkeypatch):
+    from roundalign.training import checkpoints as C
+
+    monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
+    for step in (2, 4, 6):
+        _ckpt(tmp_path, step)
+    _ckpt(tmp_path, 8, complete=False)  # being written
+    assert C.rotate(tmp_path, 0) == [] and C.rotate(tmp_path, None) == [] and C.rotate(tmp_path, -1) == []
+    assert C.rotate(tmp_path, 2) == [tmp_path / "checkpoint-2"]
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert C.rotate(tmp_path, 1) == [tmp_path / "checkpoint-4"]
+    assert [p.name for p in C.checkpoints(tmp_path)] == ["checkpoint-6", "checkpoint-8"]
+
+
+def test_set_aside_takes_the_first_free_name_starting_at_dot_one(tmp_path):
+    from roundalign.training import checkpoints as C
+
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "incomplete" / "checkpoint-2").mkdir(parents=True)
+    rec = C.set_aside(tmp_path / "checkpoint-2", "why")
+    assert rec == {"checkpoint": "checkpoint-2", "problem": "why", "moved_to": str(tmp_path / "incomplete/checkpoint-2.1")}
+
+
+@pytest.mark.parametrize("value,flushed", [("1", True), ("0", False), ("", False), (None, True)])
+def test_mark_complete_flushes_unless_told_not_to_and_records_it(tmp_path, monkeypatch, value, flushed):
+    from roundalign.training import checkpoints as C
+
+    if value is None:
+        monkeypatch.delenv("ROUNDALIGN_CKPT_FSYNC", raising=False)
+    else:
+        monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", value)
+    calls = []
+    monkeypatch.setattr(C, "_fsync", lambda p: calls.append(p))
+    ckpt = _ckpt(tmp_path, 12, complete=False)
+    marker = C.mark_complete(ckpt)
+    assert marker == {"step": 12, "fsync": flushed, "files": {"optimizer.pt": 22, "trainer_state.json": 2}}
+    assert json.loads((ckpt / C.MARKER).read_text()) == marker
+    assert bool(calls) is flushed
+
+
+def _safetensors(path, header: bytes, data: bytes, n=None):
+    path.write_bytes(struct.pack("<Q", len(header) if n is None else n) + header + data)
+
+
+def test_verify_names_each_way_a_checkpoint_can_be_incomplete(tmp_path, monkeypatch):
+    from roundalign.training import checkpoints as C
+
+    monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
+    ckpt = _ckpt(tmp_path, 2, complete=False)
+    w = ckpt / "model.safetensors"
+    good = json.dumps({"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                       "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}).encode()
+    _safetensors(w, good, b"\0" * 12)
+    C.mark_complete(ckpt)
+    assert C.verify(ckpt) is None
+
+    def redo(header, data, n=None):
+        _safetensors(w, header, data, n)
+        C.mark_complete(ckpt)  # sizes match the marker: only the header can tell
+        return C.verify(ckpt)
+
+    assert redo(good, b"\0" * 11) == f"model.safetensors: safetensors data ends at {8 + len(good) + 12} bytes, file " \
+                                      f"has {8 + len(good) + 11}"
+    assert redo(good, b"\0" * 12, n=len(good) + 13) == (f"model.safetensors: safetensors header length "
+                                                        f"{len(good) + 13} exceeds the file")
+    # a length of exactly the rest of the file passes the length check; the header read then runs into the data
+    assert redo(good, b"\0" * 12, n=len(good) + 12).startswith("model.safetensors: safetensors header unreadable (")
+    assert redo(b"{\xff" + good[2:], b"\0" * 12).startswith("model.safetensors: safetensors header unreadable (")
+    assert redo(b"[1, 2" + good[5:], b"\0" * 12).startswith("model.safetensors: safetensors header unreadable (")
+    w.write_bytes(b"1234567")
+    C.mark_complete(ckpt)
+    assert C.verify(ckpt) == "model.safetensors: shorter than a safetensors header"
+    # metadata-only header: no tensors, the data ends right after it
+    assert redo(json.dumps({"__metadata__": {}}).encode(), b"") is None
+    (ckpt / "trainer_state.json").unlink()
+    C.mark_complete(ckpt)
+    assert C.verify(ckpt) == "trainer_state.json was not written"
+    (ckpt / C.MARKER).write_text(json.dumps({"step": 2}))
+    assert C.verify(ckpt) == f"{C.MARKER} unreadable ('files')"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fault_point (``ROUNDALIGN_FAULT_INJECT``): the kill in a child process, and the spec's parsing observed in-process
+
+
+def test_fault_point_kills_its_process_once_at_its_point_and_step(tmp_path):
+    """The kill itself, in a child process running the same ``checkpoints`` module as this test (under
+    ``make mutation``: the mutated copy)."""
+    from roundalign.training import checkpoints as C
+
+    src = str(Path(C.__file__).resolve().parents[2])
+    once = tmp_path / "once"
+    os.environ.pop("ROUNDALIGN_FAULT_INJECT", None)
+    C.fault_point("after_model", 3)  # unset: nothing happens (and mutmut maps this test to fault_point)
+
+    def run(spec, point="after_model", step=3, where="/runs/x/full/checkpoints"):
+        code = ("import sys; from roundalign.training import checkpoints as C; "
+                f"C.fault_point({point!r}, {step}, {where!r}); sys.exit(7)")
+        env = {**os.environ, "ROUNDALIGN_FAULT_INJECT": spec, "PYTHONPATH": src}
+        if env.get("MUTANT_UNDER_TEST") == "stats":  # mutmut's coverage pass: the child needs no mutant (and has
+            del env["MUTANT_UNDER_TEST"]              # no pyproject.toml in its cwd to record hits with)
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120).returncode
+
+    assert run("after_model@3") == -signal.SIGKILL
+    assert run("after_model@3") == -signal.SIGKILL  # without a once-file: every time
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # and nothing written
+    assert run("after_model@4") == 7 and run("after_rng@3") == 7
+    assert run("after_model@3@@/full/") == -signal.SIGKILL and run("after_model@3@@/baseline/") == 7
+    assert run(f"after_model@3@{once}") == -signal.SIGKILL
+    assert once.read_text() == f"after_model@3@{once}\n"  # written before the kill
+    assert run(f"after_model@3@{once}") == 7  # the retried job gets past it
+
+
+def test_fault_point_in_process_reads_each_field_of_the_spec(monkeypatch, tmp_path):
+    """fault_point's parsing, observed in this process (os.kill replaced by a recorder): a call without a
+    directory matches no ``match`` text; a spec without a once-file or a match fires every time and writes
+    nothing."""
+    from roundalign.training import checkpoints as C
+
+    kills = []
+    monkeypatch.setattr(C.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    monkeypatch.chdir(tmp_path)
+
+    def fires(spec, *args):
+        monkeypatch.setenv("ROUNDALIGN_FAULT_INJECT", spec)
+        before = len(kills)
+        C.fault_point(*args)
+        return len(kills) > before
+
+    assert fires("after_model@3", "after_model", 3) and kills[-1] == (os.getpid(), signal.SIGKILL)
+    assert fires("after_model@3", "after_model", 3)  # no once-file: again
+    assert not fires("after_model@3@@X", "after_model", 3)  # a match, and no directory given: "" has no "X"
+    assert fires("after_model@3@@", "after_model", 3)  # an empty match matches anything
+    assert fires("after_model@3@@X", "after_model", 3, "/a/X/b")
+    assert not fires("after_model@4", "after_model", 3) and not fires("after_rng@3", "after_model", 3)
+    assert list(tmp_path.iterdir()) == []  # nothing written without a once-file
+    assert fires("after_model@3@once", "after_model", 3) and not fires("after_model@3@once", "after_model", 3)
+    assert (tmp_path / "once").read_text() == "after_model@3@once\n"
+    with pytest.raises(ValueError):  # a spec without a step, at its point
+        fires("after_model", "after_model", 3)
+    assert not fires("after_model", "after_rng", 3)  # ... and elsewhere nothing

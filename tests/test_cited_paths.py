@@ -7,16 +7,16 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CITED = re.compile(r"(?<![\w/.-])((?:tests|scripts|src|configs|docs)/[\w./-]*\w)")
+CITED = re.compile(r"(?<![\w/.-])((?:tests|tools|src|configs|docs)/[\w./-]*\w)")
 # files whose paths are another project's (transformers' test tree, verl's docs)
-OTHER_PROJECTS = {"scripts/hf_model_tests.py", "tests/hf_common/sdist.py", "tests/hf_common/qwen_suite.py"}
+OTHER_PROJECTS = {"tools/bench/hf_model_tests.py", "tests/hf_common/sdist.py", "tests/hf_common/qwen_suite.py"}
 EXTERNAL = {"docs/algo/rollout_corr.md"}  # volcengine/verl's, cited in metrics.py
 
 
 def _sources():
     yield ROOT / "README.md"
     yield from sorted((ROOT / "docs").glob("*.md"))
-    for folder in ("src", "scripts", "tests", "workflow"):
+    for folder in ("src", "tools", "tests", "workflow"):
         yield from sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".smk"))
     yield ROOT / "Snakefile"
     yield ROOT / "Makefile"

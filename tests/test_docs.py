@@ -3,7 +3,7 @@
 - README.md has at most 200 lines (it is also the package's long description) and its docs map links every page
   under docs/, so no page is out of reach;
 - every relative link in the README and the docs pages resolves (a file or folder of the repository);
-- the benchmark tables in the docs are what ``scripts/bench_tables.py`` generates from the records under
+- the benchmark tables in the docs are what ``tools/bench/tables.py`` generates from the records under
   results/bench/ (``--check``), and a doctored record makes that check fail, naming the stale block.
 """
 
@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_tables.py"
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "tools.bench.tables", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_readme_is_at_most_200_lines():

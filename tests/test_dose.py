@@ -250,13 +250,10 @@ def test_dose_probe_table_reads_each_probes_dose(tmp_path):
 
 
 def test_the_chunks_cover_every_run_of_the_config_once_and_pack_refuses_an_unfinished_chunk(tmp_path, monkeypatch):
-    import importlib.util
-
     import yaml
 
-    spec = importlib.util.spec_from_file_location("dose_chunks", "scripts/dose_chunks.py")
-    dc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dc)
+    from tools.cluster import dose_chunks as dc
+
     cfg = yaml.safe_load(open("configs/dose.yaml"))
     n_chunks = -(-len(cfg["seeds"]) // dc.CHUNK_SEEDS)
     every = [t for k in range(n_chunks) for t in dc.targets(k)]

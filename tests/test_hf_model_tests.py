@@ -2,7 +2,7 @@
 
 tests/hf_common/ holds our injection harness and model tester; transformers' test_modeling_common.py comes from
 the released sdist at test time (downloaded once, sha256-checked, cached under ~/.cache/roundalign). The record
-results/bench/hf_model_tests.txt (scripts/hf_model_tests.py) also holds negative controls: which deliberate
+results/bench/hf_model_tests.txt (tools/bench/hf_model_tests.py) also holds negative controls: which deliberate
 bugs these tests can and cannot tell from stock.
 """
 
@@ -58,7 +58,7 @@ def test_a_broken_alignment_is_caught(tmp_path):
 
 
 def test_committed_record_has_these_counts(suite):
-    """results/bench/hf_model_tests.txt (scripts/hf_model_tests.py) shows the counts this run measured."""
+    """results/bench/hf_model_tests.txt (tools/bench/hf_model_tests.py) shows the counts this run measured."""
     record = RECORD.read_text()
     for row in harness.counts_table(suite["outcomes"]).splitlines():
-        assert row in record, f"{RECORD.name} lacks {row!r}: rerun python scripts/hf_model_tests.py"
+        assert row in record, f"{RECORD.name} lacks {row!r}: rerun python -m tools.bench.hf_model_tests"

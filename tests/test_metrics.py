@@ -407,3 +407,59 @@ def test_health_flag_any_raises_on_chi2_alone():
     flags = {k: float(v) for k, v in verl_health_flags(tok).items()}
     assert flags == {"is_mean": 0.0, "ess": 0.0, "is_std": 0.0, "kl": 0.0, "chi2": 1.0, "any": 1.0}, flags
     assert float(tok["mismatch_chi2"]) == pytest.approx(math.cosh(1.5) - 1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# exact behaviours at the edges: each verl flag alone and its strict threshold; the validation messages
+
+
+F64 = torch.float64
+
+
+def _token(**kw):
+    base = {"is_ratio_mean": 1.0, "ess_frac": 1.0, "is_ratio_std": 0.0, "mismatch_k1": 0.0, "mismatch_chi2": 0.0}
+    return {k: torch.tensor(v, dtype=F64) for k, v in {**base, **kw}.items()}
+
+
+@pytest.mark.parametrize("kw,flag", [
+    ({"is_ratio_mean": 0.49}, "is_mean"), ({"is_ratio_mean": 2.01}, "is_mean"), ({"ess_frac": 0.29}, "ess"),
+    ({"is_ratio_std": 1.01}, "is_std"), ({"mismatch_k1": -0.11}, "kl"), ({"mismatch_k1": 0.11}, "kl"),
+    ({"mismatch_chi2": 1.01}, "chi2"),
+    # each threshold itself is healthy (verl warns strictly beyond it)
+    ({"is_ratio_mean": 0.5}, None), ({"is_ratio_mean": 2.0}, None), ({"ess_frac": 0.3}, None),
+    ({"is_ratio_std": 1.0}, None), ({"mismatch_k1": -0.1}, None), ({"mismatch_chi2": 1.0}, None)])
+def test_each_verl_flag_alone_sets_any_and_thresholds_are_strict(kw, flag):
+    from roundalign.metrics import verl_health_flags
+
+    flags = verl_health_flags(_token(**kw))
+    assert all(v.dtype == F64 for v in flags.values())
+    want = {k: float(k == flag) for k in ("is_mean", "ess", "is_std", "kl", "chi2")}
+    assert {k: float(v) for k, v in flags.items()} == {**want, "any": float(flag is not None)}
+
+
+def test_mismatch_metrics_errors_name_the_input_and_an_is_clip_of_one_is_allowed():
+    from roundalign.metrics import mismatch_metrics
+
+    t = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    cases = [
+        (([[0.0]], t, m), "train_logp must be a torch.Tensor, got list"),
+        ((t, [[0.0]], m), "engine_logp must be a torch.Tensor, got list"),
+        ((t, torch.zeros(2, 3, dtype=torch.int64), m), "engine_logp must be a floating-point tensor, got dtype torch.int64"),
+        ((torch.zeros(2, 3, dtype=torch.int32), t, m), "train_logp must be a floating-point tensor, got dtype torch.int32"),
+        ((t, t, m.float()), r"mask must be a torch.bool tensor \(True = completion token\), got torch.float32"),
+        ((t, t, [[True]]), r"mask must be a torch.bool tensor \(True = completion token\), got list"),
+        ((t, torch.zeros(2, 4), m), r"input shapes must all match \(B, T\): train_logp=\(2, 3\), engine_logp=\(2, 4\), "
+                                    r"mask=\(2, 3\)$"),
+        ((t, t, ~m), r"^mask selects no tokens: mismatch metrics need at least one completion token \(mask shape \(2, 3\)\)$"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            mismatch_metrics(*args)
+    with pytest.raises(ValueError, match=r"entropy must be a torch.Tensor, got str"):
+        mismatch_metrics(t, t, m, entropy="high")
+    with pytest.raises(ValueError, match=r"input shapes must all match \(B, T\): .*mask=\(2, 3\), entropy=\(3,\)$"):
+        mismatch_metrics(t, t, m, entropy=torch.zeros(3))
+    # is_clip = 1: the band is [1, 1]; a ratio of exactly 1 is inside it, any other ratio outside
+    out = mismatch_metrics(t, torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.5, -0.5]]), m, is_clip=1.0)["token"]
+    assert out["is_ratio_outside_frac"].item() == 2 / 6

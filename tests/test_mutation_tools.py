@@ -1,9 +1,8 @@
-"""The second tier of ``make mutation`` (scripts/mutation_recheck.py) names tests by path and node id, and maps every
+"""The second tier of ``make mutation`` (tools/mutation/recheck.py) names tests by path and node id, and maps every
 mutant to a row by its name: a renamed test or a new mutated file must fail here, not silently shrink the recheck."""
 
 import ast
 import fnmatch
-import importlib.util
 import tomllib
 from pathlib import Path
 
@@ -13,10 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _recheck():
-    spec = importlib.util.spec_from_file_location("mutation_recheck", ROOT / "scripts/mutation_recheck.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tools.mutation import recheck
+
+    return recheck
 
 
 def test_every_test_the_recheck_names_exists():

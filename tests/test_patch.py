@@ -12,6 +12,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from roundalign import ENGINES, VARIANTS, alignment_of, apply_alignment
+from roundalign.numerics.plan import engine_plan, plan_for
 
 torch.set_num_threads(1)
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -367,3 +368,333 @@ def test_a_hook_that_replaces_a_layers_output_drops_the_carried_low_part(engine)
     logits(model)
     assert seen["x"].dtype == torch.bfloat16 and not seen["x"].any(), seen["x"]
     assert seen["next"].dtype == torch.float32  # the unhooked layer 1 still carries its low part to layer 2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The tests below each state one behaviour against a reference written here, with real numbers. They are fast (no slow
+# marker): the first tier of ``make mutation`` runs them. ``fresh_kernels``: region kernels built anew in the test
+# (tests/conftest.py's ``fresh_region_kernels``).
+
+BF16 = torch.bfloat16
+fresh_kernels = pytest.mark.usefixtures("fresh_region_kernels")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The ``vllm-cpu-eager`` residual row (docs/numerics.md, plan.py): the norm reads the UNROUNDED fp32 sum and rounds as
+# HF does, twice; the stored stream is the sum rounded once. Pinned bitwise for a whole trunk against a forward written
+# here from the model's own attention/MLP modules.
+
+
+def _hf_norm_of(s32, norm):
+    """HF's two roundings applied to an fp32 value: the normalized value rounded to the model dtype, then the bf16
+    multiply by the weight (the native RMSNorm formula run eagerly: ``x.to(weight.dtype) * weight``)."""
+    w = norm.weight
+    y = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return w * y.to(w.dtype)
+
+
+def _reference_cpu_eager_trunk(model, attn_kwargs, ids, stream_rounded_before_norm=False):
+    """The trunk of ``model`` (variant ``norm``: attention, RoPE, MLP stock) with vLLM-CPU eager's residual rounding,
+    written from numerics.md's row: each norm after an add reads the UNROUNDED fp32 sum and rounds as HF does; the
+    residual stream stored (what the next add reads) is that sum rounded once. Returns (per-layer stored streams,
+    final normed hidden state). ``stream_rounded_before_norm``: the alternative the row rules out (the norm reads
+    the rounded sum, as stock HF)."""
+    trunk = model.model
+    stream = trunk.embed_tokens(ids)  # bf16, rounded (nothing to sum yet)
+    s_in = stream.float()
+    streams = []
+    for layer, kwargs in zip(trunk.layers, attn_kwargs):
+        read = s_in.to(BF16).float() if stream_rounded_before_norm else s_in
+        n1 = _hf_norm_of(read, layer.input_layernorm)
+        attn_out, _ = layer.self_attn(**{**kwargs, "hidden_states": n1})
+        s_mid = attn_out.float() + stream.float()  # the add reads the stored (rounded) stream
+        read = s_mid.to(BF16).float() if stream_rounded_before_norm else s_mid
+        n2 = _hf_norm_of(read, layer.post_attention_layernorm)
+        mlp_out = layer.mlp(n2)
+        s_in = s_mid.to(BF16).float() + mlp_out.float()  # stored residual after attention: s_mid rounded once
+        stream = s_in.to(BF16)
+        streams.append(stream)
+    read = s_in.to(BF16).float() if stream_rounded_before_norm else s_in
+    return streams, _hf_norm_of(read, trunk.norm)
+
+
+@fresh_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_cpu_eager_residual_row_is_fp32_read_with_hf_norms_bitwise(arch):
+    plan = engine_plan("vllm-cpu-eager")
+    assert (plan.residual, plan.norm, plan.swiglu, plan.qk_norm_rope) == ("fp32-read", "hf", "hf", "split")
+    assert plan_for("vllm-cpu-eager", "norm") == type(plan)(norm="hf", residual="fp32-read")
+    model = random_qwen(arch, layers=3)
+    apply_alignment(model, "norm", "vllm-cpu-eager")
+    ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(3))
+    attn_kwargs, layer_out = [], []
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a, kw: attn_kwargs.append(dict(kw)), with_kwargs=True)
+             for layer in model.model.layers]
+    hooks += [layer.register_forward_hook(lambda m, a, out: layer_out.append(out[0] if isinstance(out, tuple) else out))
+              for layer in model.model.layers]
+    with torch.no_grad():
+        got = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    for h in hooks:
+        h.remove()
+    apply_alignment(model, "baseline")  # the reference calls the stock attention and MLP modules
+    with torch.no_grad():
+        streams, final = _reference_cpu_eager_trunk(model, attn_kwargs, ids)
+        _, final_rounded = _reference_cpu_eager_trunk(model, attn_kwargs, ids, stream_rounded_before_norm=True)
+    assert len(layer_out) == len(streams) == 3
+    for i, (a, b) in enumerate(zip(layer_out, streams)):
+        assert a.dtype == BF16 and torch.equal(a, b), f"layer {i}: stored stream differs"
+    assert got.dtype == BF16 and torch.equal(got, final)
+    # the reference is sensitive to the row: reading the rounded sum instead moves many elements
+    assert (final_rounded != final).float().mean().item() > 0.05
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the aligned classes and their forwards: what stock transformers does around them, and what apply_alignment refuses
+
+
+@fresh_kernels
+def test_numerics_package_resolves_the_patch_names_lazily():
+    import roundalign.numerics as N
+    from roundalign.numerics import patch
+
+    for name in ("SUPPORTED_MODEL_CLASSES", "alignment_of", "apply_alignment"):
+        assert N.__getattr__(name) is getattr(patch, name)
+    with pytest.raises(AttributeError, match=r"^module 'roundalign.numerics' has no attribute 'nope'$"):
+        N.__getattr__("nope")
+
+
+@fresh_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("training", [False, True])
+def test_aligned_attention_calls_the_attention_interface_as_stock_does(arch, training, monkeypatch):
+    """The aligned attention re-states the stock forward around the attention call: it must hand the attention
+    interface exactly the keywords stock transformers does (dropout in training only, the scaling, the layer's
+    sliding window, and every keyword the decoder layer passes through, with the layer's defaults when a layer is
+    called on its own). The tiny models use no sliding window and no dropout, so a dropped ``sliding_window`` or an
+    inverted ``training`` test survived the suite: here each layer gets a window of 5 and a dropout of 0.25, and a
+    recording attention function compares the two models' calls."""
+    from transformers import AttentionInterface
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    calls = []
+
+    def spy(module, q, k, v, mask, **kw):
+        calls.append({key: tuple(val.shape) if torch.is_tensor(val) else val for key, val in kw.items()})
+        return eager_attention_forward(module, q, k, v, mask, **kw)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "roundalign_spy", spy)
+
+    def recorded(model):
+        calls.clear()
+        model.set_attn_implementation("roundalign_spy")
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window, layer.self_attn.attention_dropout = 5, 0.25
+        model.train(training)
+        with torch.no_grad():
+            # a keyword the model passes through its layers to the attention function (as flash-attention's
+            # cu_seq_lens are), then one layer called on its own, with the layer's defaults
+            model(input_ids=torch.arange(12).view(1, 12) % 100, roundalign_probe=7)
+            h = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(BF16)
+            model.model.layers[0](h, position_embeddings=model.model.rotary_emb(h, torch.arange(5).view(1, 5)))
+        return list(calls)
+
+    want = recorded(random_qwen(arch))
+    got = recorded(apply_alignment(random_qwen(arch), "full", "vllm-compiled"))
+    assert len(want) == 3 and want[0]["dropout"] == (0.25 if training else 0.0) and want[0]["sliding_window"] == 5
+    assert want[0]["roundalign_probe"] == 7 and want[2]["use_cache"] is False and want[2]["position_ids"] is None
+    assert got == want
+
+
+@fresh_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_an_aligned_model_decodes_through_transformers_kv_cache(arch):
+    """The aligned decoder layer hands its attention the cache (``past_key_values``), so cached decoding
+    (``generate``, or a trainer's eval loop) sees every earlier token: the cache grows by one position per step,
+    and each step's logits are the full forward's at that position (bf16 matmuls over other shapes apart). The
+    engine tests decode through the emulated engine's own cache, not transformers', so a layer that dropped the
+    cache survived them."""
+    model = apply_alignment(random_qwen(arch), "full", "vllm-compiled").eval()
+    ids = (torch.arange(12).view(1, 12) * 7) % 100
+    with torch.no_grad():
+        full = model(input_ids=ids).logits.float()
+        cache = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        assert cache.get_seq_length() == 8
+        for t in range(8, 12):
+            step = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1].float()
+            assert cache.get_seq_length() == t + 1 and cache.layers[0].keys.shape[-2] == t + 1
+            assert (step - full[0, t]).abs().max() <= 0.05 * full[0, t].abs().max()
+
+
+@fresh_kernels
+def test_the_carrier_slot_is_empty_after_every_forward():
+    """``_take_lo`` empties the trunk's carrier slot whenever it is read, so that nothing outlives one forward: after
+    a forward, the slot holds no tensor (a slot left holding the last layer's output and its fp32 low part would keep
+    both alive, and hand the low part to a later call that happens to pass that tensor again)."""
+    from roundalign.numerics.patch import SLOT_ATTR
+
+    model = apply_alignment(random_qwen("qwen2", layers=3), "full", "vllm-compiled")
+    slots = {id(s): s for m in model.modules() if (s := getattr(m, SLOT_ATTR, None)) is not None}
+    assert len(slots) == 1
+    (slot,) = slots.values()
+    for _ in range(2):
+        with torch.no_grad():
+            model(input_ids=torch.arange(10).view(1, 10))
+        assert slot == {"out": None, "lo": None}
+
+
+@fresh_kernels
+def test_alignment_of_a_never_aligned_model_and_the_aligned_classes_names():
+    """``alignment_of`` of a model never aligned is the documented default; an aligned instance's class is the
+    roundalign subclass named like the stock one, from roundalign.numerics.patch (pickling finds it there), with a
+    docstring saying what it is (what ``help(layer)`` shows)."""
+    from roundalign.numerics import patch
+
+    assert patch.alignment_of(random_qwen("qwen3")) == ("baseline", "vllm-compiled", "eager")
+    aligned = apply_alignment(random_qwen("qwen3"), "full", "vllm-cpu-compiled", kernels="eager")
+    assert patch.alignment_of(aligned) == ("full", "vllm-cpu-compiled", "eager")
+    for module, name in ((aligned.model.layers[0], "Qwen3DecoderLayer"), (aligned.model.norm, "Qwen3RMSNorm")):
+        cls = type(module)
+        assert (cls.__name__, cls.__qualname__, cls.__module__) == (name, name, "roundalign.numerics.patch")
+        assert getattr(patch, name) is cls
+        assert cls.__doc__ == f"{name} with roundalign's aligned forward (per instance)."
+
+
+@fresh_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_full_on_the_cpu_eager_engine_of_an_avx2_build_is_on_policy_and_needs_the_truncating_rope(arch, monkeypatch):
+    """vLLM-CPU's eager RoPE truncates to bf16 in the _C_AVX512/_C_AVX2 builds (plan.cpu_rope_rounding: "fused-rz").
+    This machine loads _C (AVX-512 BF16), so elsewhere the suite only ever takes "fused", and a patch that dropped
+    the truncating branch survived every test here. With the build set to _C_AVX2, the emulated engine (which rounds
+    with regions.rope_fused_rz, pinned against a truncation formula in tests/test_regions.py) and the trainer aligned
+    with ``full`` give equal logprobs on every sampled token; the same trainer aligned for the _C build does not."""
+    from roundalign.engine import Engine
+    from roundalign.numerics import plan as plan_mod
+
+    def logprobs(model, s):
+        ids = torch.tensor(s.prompt_ids + s.completion_ids).unsqueeze(0)
+        with torch.no_grad():
+            lg = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1]
+        return torch.log_softmax(lg.float(), -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+
+    monkeypatch.setattr(plan_mod, "cpu_kernel_build", lambda: "_C_AVX2")
+    model = random_qwen(arch)
+    eng = Engine(model, engine="vllm-cpu-eager", attn="eager", gemm="same")
+    assert plan_mod.engine_plan("vllm-cpu-eager").rope == "fused-rz"
+    g = torch.Generator().manual_seed(0)
+    samples = eng.generate([torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 7, 12)],
+                           max_new_tokens=10, seed=3)
+    n = sum(len(s.completion_ids) for s in samples)
+    apply_alignment(model, "full", "vllm-cpu-eager")
+    assert sum(int((logprobs(model, s) == s.logprobs).sum()) for s in samples) == n
+    monkeypatch.setattr(plan_mod, "cpu_kernel_build", lambda: "_C")
+    apply_alignment(model, "full", "vllm-cpu-eager")
+    assert sum(int((logprobs(model, s) == s.logprobs).sum()) for s in samples) < 0.9 * n
+
+
+@fresh_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_norm_sum_orders_take_variant_norm_and_a_wrong_count_names_the_norms_the_model_runs(arch):
+    """``norm_sum_orders`` apply to the variants that align the norms, ``norm`` as well as ``full``; a list of the
+    wrong length is refused with the count and the norms this architecture runs (Qwen3's q/k norms included)."""
+    from roundalign.numerics.patch import norm_modules
+
+    model = random_qwen(arch, layers=2, hidden=64)
+    n = 2 * (2 if arch == "qwen2" else 4) + 1
+    apply_alignment(model, "norm", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * n)
+    assert [m._roundalign_sum_order for m in norm_modules(model)] == [(16, 1)] * n
+    with pytest.raises(ValueError) as err:
+        apply_alignment(model, "full", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * 3)
+    qk = ", q, k" if arch == "qwen3" else ""
+    assert str(err.value) == (f"norm_sum_orders has 3 entries; this model runs {n} RMSNorms (per layer input{qk}, "
+                              "post-attention; then the final norm): was the engine's graph read for another model?")
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@fresh_kernels
+def test_a_wrapped_submodule_is_refused_naming_its_class_and_what_to_do():
+    """A module apply_alignment must switch that is not a transformers Qwen module (here an MLP inside a wrapper, as
+    FSDP or a user's wrapper leaves it) is refused before anything changes, naming its class and the remedy."""
+    model = random_qwen("qwen2")
+    model.model.layers[0].mlp = _Wrapper(model.model.layers[0].mlp)
+    with pytest.raises(TypeError) as err:
+        apply_alignment(model, "full", "vllm-compiled")
+    assert str(err.value) == (f"cannot align a {__name__}._Wrapper instance: apply_alignment expects transformers' "
+                              "modules of the families in roundalign/numerics/families.py (apply it before wrapping "
+                              "the model with FSDP or other module wrappers)")
+    assert not any(type(m).__module__ == "roundalign.numerics.patch" for m in model.modules())
+
+
+@fresh_kernels
+def test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_baseline_removes_it():
+    """apply_alignment records what it applied in the model's own copy of its config (what save_pretrained writes
+    and load_model re-applies): exactly the variant, engine, kernels and any norm orders; a later apply rewrites it
+    in the same config object (a user's reference to model.config stays the model's), and baseline removes it. A
+    record older than the kernels choice reads as eager kernels."""
+    from roundalign.numerics.patch import recorded_alignment
+
+    model = random_qwen("qwen3", layers=2, hidden=64)
+    shared = model.config
+    apply_alignment(model, "full", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * 9)
+    cfg = model.config
+    assert cfg is not shared and not hasattr(shared, "roundalign")
+    assert cfg.roundalign == {"variant": "full", "engine": "vllm-cpu-compiled", "kernels": "eager",
+                              "norm_sum_orders": [[16, 1]] * 9}
+    assert all(m.config is cfg for m in model.modules() if hasattr(m, "config"))
+    apply_alignment(model, "rope", "vllm-eager")
+    assert model.config is cfg and cfg.roundalign == {"variant": "rope", "engine": "vllm-eager", "kernels": "eager"}
+    assert recorded_alignment(cfg)[:3] == ("rope", "vllm-eager", "eager")
+    apply_alignment(model, "baseline")
+    assert model.config is cfg and "roundalign" not in cfg.to_dict() and recorded_alignment(cfg) is None
+    # a record written before the kernels choice existed (a4b0099) has no "kernels" key: those models ran eager
+    cfg.roundalign = {"variant": "full", "engine": "vllm-eager"}
+    assert recorded_alignment(cfg) == ("full", "vllm-eager", "eager")
+
+
+@fresh_kernels
+def test_a_model_whose_mlp_is_not_swiglu_is_refused_naming_its_activation():
+    """The SwiGLU region is silu(gate) * up: a Qwen model configured with another activation is refused, naming
+    it."""
+    model = random_qwen("qwen2")
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError) as err:
+        apply_alignment(model, "full", "vllm-compiled")
+    assert str(err.value) == "roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act='gelu'"
+
+
+@fresh_kernels
+def test_another_architecture_is_refused_with_the_whole_message():
+    """The message a Mistral user gets, whole: the class, every supported class, the families' notes and why."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from roundalign.numerics.patch import SUPPORTED_MODEL_CLASSES
+
+    mistral = MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(TypeError) as err:
+        apply_alignment(mistral, "full")
+    assert str(err.value) == (
+        f"unsupported model class MistralForCausalLM; roundalign supports {', '.join(SUPPORTED_MODEL_CLASSES)} "
+        "(Qwen2.5 checkpoints load as Qwen2; Llama 3 and 3.1 checkpoints, with their rope scaling). Other "
+        "architectures round in other places and need their own family record (roundalign/numerics/families.py).")
+    assert "LlamaForCausalLM" in SUPPORTED_MODEL_CLASSES and "Qwen3MoeForCausalLM" in SUPPORTED_MODEL_CLASSES
+
+
+@fresh_kernels
+def test_the_default_kernels_are_compiled_only_for_the_cpu_compiled_engine_on_bf16():
+    """Against vLLM-CPU's compiled engine the regions default to Inductor-compiled kernels (which reduce the RMSNorm
+    mean as the engine's graph does: every token bitwise in tests/vllm_cpu/test_real_engine.py, where eager kernels
+    left 1 of 449 apart, a test that runs only in .venv-vllm); eager everywhere else, and on fp32 models."""
+    from roundalign.numerics.patch import alignment_of, default_kernels
+
+    assert [default_kernels(e) for e in ("vllm-compiled", "vllm-eager", "vllm-cpu-compiled", "vllm-cpu-eager")] == [
+        "eager", "eager", "compiled", "eager"]
+    assert default_kernels("vllm-cpu-compiled", torch.float32) == "eager"
+    assert alignment_of(apply_alignment(random_qwen("qwen2"), "full", "vllm-cpu-compiled"))[2] == "compiled"

@@ -569,3 +569,500 @@ def test_qk_norm_rope_fused_equals_numpy(seed):
                                                cos, sin))
     y = np_rmsnorm(np_f32(x), np_f32(w), EPS).transpose(0, 2, 1, 3)
     _assert_bits_close(got, np_round_bf16_bits(np_rope(np.ascontiguousarray(y), np_f32(cos), np_f32(sin))))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The tests below each state one behaviour against a reference written here, independently of the code under test,
+# with real numbers. They are fast (no slow marker): the first tier of ``make mutation`` runs them.
+# ``fresh_kernels``: region kernels built anew in the test (tests/conftest.py's ``fresh_region_kernels``).
+
+F32, F64 = torch.float32, torch.float64
+fresh_kernels = pytest.mark.usefixtures("fresh_region_kernels")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RoPE with cos/sin tables whose two halves differ. transformers' and vLLM's neox tables repeat one half-table twice,
+# so a swap of the sin (or cos) halves in ``rope_fused`` is invisible with them. Here the fused, round-toward-zero,
+# HF-style and backward RoPE are pinned bitwise against the rotate_half formula ``x*cos + rotate_half(x)*sin`` in
+# float64 with the roundings of docs/numerics.md's RoPE row (engine: fp32 inside, one rounding; HF: each product, then
+# the sum).
+
+
+def _rand_bf16(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=F64) * scale).to(BF16)
+
+
+def _distinct_tables(b, t, d, seed):
+    """bf16 cos/sin (b, 1, t, d) from angles drawn independently for EVERY column: the halves differ (a real neox
+    table repeats one half; these are not tables of any model, only inputs on which a swap of halves shows)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    ang = torch.rand((b, 1, t, d), generator=g, dtype=F64) * 2 * torch.pi
+    cos, sin = ang.cos().to(BF16), ang.sin().to(BF16)
+    h = d // 2
+    assert not torch.equal(cos[..., :h], cos[..., h:]) and not torch.equal(sin[..., :h], sin[..., h:])
+    return cos, sin
+
+
+def _rotate_half64(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _ref_rope_fp32(x, cos, sin):
+    """x*cos + rotate_half(x)*sin as one fp32 kernel computes it: each product rounded to fp32 (exact for bf16 x:
+    8-bit times 8-bit significands), the sum rounded to fp32. The float64 sum of two fp32 values rounded to fp32 is
+    the fp32 sum (53 >= 2*24 + 2), so float64 then ``.to(float32)`` is that fp32 value."""
+    p1 = (x.to(F64) * cos.to(F64)).to(F32).to(F64)
+    p2 = (_rotate_half64(x.to(F64)) * sin.to(F64)).to(F32).to(F64)
+    return (p1 + p2).to(F32)
+
+
+def _truncate_to_bf16(x32):
+    bits = x32.contiguous().numpy().view(np.uint32) & np.uint32(0xFFFF0000)
+    return torch.from_numpy(bits.view(np.float32).copy()).to(BF16)  # the truncated pattern is a bf16 value: exact
+
+
+@fresh_kernels
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 64), (1, 2, 7, 128)])
+def test_rope_fused_with_distinct_halves_is_the_rotate_half_formula_rounded_once(shape, seed):
+    b, _, t, d = shape
+    x = _rand_bf16(shape, seed, scale=3.0)
+    cos, sin = _distinct_tables(b, t, d, seed)
+    want32 = _ref_rope_fp32(x, cos, sin)
+    assert torch.equal(regions.rope_fused(x, cos, sin), want32.to(BF16))  # round to nearest even, once
+    assert torch.equal(regions.rope_fused(x, cos, sin, out_dtype=F32), want32)
+    assert torch.equal(regions.rope_fused_rz(x, cos, sin), _truncate_to_bf16(want32))  # vLLM-CPU's C++ kernel
+    # fp32 x (Qwen3's q/k-norm value kept fp32 into RoPE): now the products themselves round to fp32
+    x32 = x.float() * torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=F32)
+    assert torch.equal(regions.rope_fused(x32, cos, sin), _ref_rope_fp32(x32, cos, sin).to(BF16))
+    # and the region kernels' node (the path the patched attention runs) gives the same bits
+    K = regions.region_kernels("eager")
+    assert torch.equal(K.rope_fused(x, cos, sin), want32.to(BF16))
+    assert torch.equal(K.rope_fused_rz(x, cos, sin), _truncate_to_bf16(want32))
+
+
+@fresh_kernels
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rope_hf_with_distinct_halves_rounds_each_product_then_the_sum(seed):
+    shape = (2, 3, 5, 64)
+    x = _rand_bf16(shape, seed, scale=3.0)
+    cos, sin = _distinct_tables(2, 5, 64, seed)
+    # bf16 * bf16 is exact in float64: one rounding to bf16 per product; the bf16 sum rounds through fp32 as torch's
+    # CPU bf16 add does (fp32 has 24 >= 2*8 + 2 bits: that is the bf16 sum correctly rounded)
+    p1 = (x.to(F64) * cos.to(F64)).to(BF16)
+    p2 = (_rotate_half64(x.to(F64)) * sin.to(F64)).to(BF16)
+    want = (p1.to(F64) + p2.to(F64)).to(F32).to(BF16)
+    got = regions.rope_hf(x, cos, sin)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, regions.rope_fused(x, cos, sin))  # three roundings are not one
+
+
+@fresh_kernels
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rope_backward_with_distinct_halves_is_the_transposed_rotation(seed):
+    """d/dx of x*cos + rotate_half(x)*sin applied to g: g*cos + rotate_half^T(g*sin), rotate_half^T(v) = (v2, -v1):
+    float64 autograd of the formula (two exact products, summed) rounded through fp32 to x's dtype, bitwise, for the
+    node that saves only cos/sin (hand-written backward) and for plain autograd of ``rope_fused``."""
+    shape = (2, 3, 5, 64)
+    x = _rand_bf16(shape, seed)
+    cos, sin = _distinct_tables(2, 5, 64, seed)
+    g = _rand_bf16(shape, seed + 50)
+    x64 = x.to(F64).requires_grad_(True)
+    out64 = x64 * cos.to(F64) + _rotate_half64(x64) * sin.to(F64)
+    (want,) = torch.autograd.grad(out64, x64, g.to(F64))
+    want = want.to(F32).to(BF16)
+    for fn in (regions.region_kernels("eager").rope_fused, regions.rope_fused):
+        xl = x.clone().requires_grad_(True)
+        (got,) = torch.autograd.grad(fn(xl, cos, sin), xl, g)
+        assert torch.equal(got, want), fn
+
+
+@fresh_kernels
+def test_round_toward_zero_truncates_bf16_only_and_keeps_the_requested_dtype():
+    x = torch.tensor([1.0 + 2.0**-8 + 2.0**-10, -(1.0 + 2.0**-8 + 2.0**-10), 3.0], dtype=F32)
+    got = regions.round_toward_zero(x, BF16)
+    assert got.dtype == BF16 and got.tolist() == [1.0, -1.0, 3.0]  # RNE would give 1 + 2^-7
+    half = regions.round_toward_zero(x, torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, x.to(torch.float16))  # other dtypes: to nearest
+    assert regions.round_toward_zero(x, F32).dtype == F32
+    cos, sin = _distinct_tables(1, 3, 8, 0)
+    xb = _rand_bf16((1, 1, 3, 8), 0)
+    out = regions.rope_fused_rz(xb, cos, sin, out_dtype=F32)  # fp32 out: nothing to truncate
+    assert out.dtype == F32 and torch.equal(out, _ref_rope_fp32(xb, cos, sin))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reduction orders (a compiled engine's fused norm) and the chunked SwiGLU
+
+
+def _np_sum_sq_in_order(x: np.ndarray, vec: int, n: int) -> np.ndarray:
+    """The order ``sum_sq_in_order`` documents, in numpy float32, element by element: lane k of the n*vec-wide
+    accumulator adds the squares of elements k, k + n*vec, ... in row order; the n vectors are added one after
+    another; then the vec lanes fold by halves (lane l += lane l + half)."""
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    out = np.empty(rows.shape[0], dtype=np.float32)
+    width = vec * n
+    for i, row in enumerate(rows):
+        acc = [np.float32(0)] * width
+        for j in range(0, row.size, width):
+            for k in range(width):
+                acc[k] = np.float32(acc[k] + np.float32(row[j + k] * row[j + k]))
+        v = acc[:vec]
+        for m in range(1, n):
+            v = [np.float32(v[l] + acc[m * vec + l]) for l in range(vec)]
+        half = vec // 2
+        while half:
+            v = [np.float32(v[l] + v[l + half]) for l in range(half)]
+            half //= 2
+        out[i] = v[0]
+    return out.reshape(*x.shape[:-1], 1)
+
+
+@fresh_kernels
+@pytest.mark.parametrize("vec,n", [(8, 1), (4, 2), (16, 2), (2, 4), (1, 1), (1, 4)])  # vec 1: scalar lanes (2**0)
+def test_sum_sq_in_order_is_the_documented_order_bitwise(vec, n):
+    g = torch.Generator().manual_seed(vec * 10 + n)
+    x = torch.randn(3, 2, 64, generator=g) * torch.logspace(-3, 3, 64)  # magnitudes over 6 decades: order matters
+    got = regions.sum_sq_in_order(x, (vec, n))
+    want = _np_sum_sq_in_order(x.numpy(), vec, n)
+    assert got.shape == (3, 2, 1) and got.dtype == F32
+    assert np.array_equal(got.numpy(), want)
+    with pytest.raises(ValueError, match=r"^reduction order \(vec=3, n=1\) does not tile a row of 64 elements: vec "
+                                         r"must be a power of two and the row a multiple of vec \* n$"):
+        regions.sum_sq_in_order(x, (3, 1))
+    for bad in ((0, 1), (8, 0), (16, 3)):
+        with pytest.raises(ValueError):
+            regions.sum_sq_in_order(x, bad)
+    assert np.array_equal(regions.rmsnorm_fused(x, torch.ones(64), 1e-6, sum_order=(vec, n), keep_fp32=True).numpy(),
+                          (x * torch.rsqrt(torch.from_numpy(want) / 64 + 1e-6)).numpy())
+
+
+@fresh_kernels
+def test_add_rmsnorm_bf16_sum_passes_its_reduction_order_on():
+    x, r, w = _rand_bf16((2, 64), 0), _rand_bf16((2, 64), 1), _rand_bf16((64,), 2).abs()
+    with pytest.raises(ValueError, match="does not tile a row of 64 elements"):
+        regions.add_rmsnorm_bf16_sum(x, r, w, 1e-6, sum_order=(16, 3))
+    got, s = regions.add_rmsnorm_bf16_sum(x, r, w, 1e-6, sum_order=(8, 2))
+    assert torch.equal(s, x + r) and torch.equal(got, regions.rmsnorm_fused(x + r, w, 1e-6, sum_order=(8, 2)))
+
+
+@fresh_kernels
+def test_add_rmsnorm_fp32_sum_passes_its_order_on_keeps_the_fp32_sum_on_request_and_refuses_an_order_for_hf():
+    g = torch.Generator().manual_seed(70)
+    x = (torch.randn(8, 64, generator=g) * torch.logspace(-3, 3, 64)).to(BF16)
+    r = (torch.randn(8, 64, generator=g) * 8).to(BF16)
+    w = torch.rand(64, generator=g) + 0.5  # an fp32 weight: the output is fp32, where the order shows
+    s32 = x.to(F32) + r.to(F32)  # two bf16 values: their fp32 sum
+    ss = torch.from_numpy(_np_sum_sq_in_order(s32.numpy(), 8, 2))
+    want = s32 * torch.rsqrt(ss / 64 + 1e-6) * w
+    normed, s = regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6, sum_order=(8, 2))
+    assert torch.equal(normed, want) and s.dtype == BF16 and torch.equal(s, s32.to(BF16))  # bitwise
+    assert not torch.equal(normed, regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6)[0])  # the order shows in these bits
+    normed, s = regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6, keep_fp32_sum=True)
+    assert s.dtype == F32 and torch.equal(s, s32)
+    with pytest.raises(ValueError, match=r"^a reduction order belongs to a compiled engine's fused norm, not to "
+                                         r"norm='hf'$"):
+        regions.add_rmsnorm_fp32_sum(x, r, w, 1e-6, norm="hf", sum_order=(8, 2))
+
+
+@fresh_kernels
+def test_row_chunks_cover_every_row_once_in_chunks_of_the_element_budget(monkeypatch):
+    monkeypatch.setattr(regions, "_SWIGLU_CHUNK_ELEMS", 8)
+    monkeypatch.setattr(regions, "_SWIGLU_CHUNK_ELEMS_ACCELERATOR", 4)
+    a = torch.arange(3 * 5 * 4, dtype=F32).reshape(3, 5, 4)
+    b = -a
+    chunks = list(regions._row_chunks(a, b))
+    assert [tuple(x.shape) for x, _ in chunks] == [(2, 4)] * 7 + [(1, 4)]  # 15 rows of 4: 8 elements = 2 rows
+    assert torch.equal(torch.cat([x for x, _ in chunks]), a.reshape(15, 4))
+    assert torch.equal(torch.cat([y for _, y in chunks]), b.reshape(15, 4))
+    wide = torch.zeros(2, 3, 16)  # a row wider than the budget: one row per chunk
+    assert [tuple(x.shape) for (x,) in regions._row_chunks(wide)] == [(1, 16)] * 6
+    narrow = torch.zeros(20, 1)  # rows of one element: the budget is 8 rows (not 4: a row is never counted as two)
+    assert [tuple(x.shape) for (x,) in regions._row_chunks(narrow)] == [(8, 1), (8, 1), (4, 1)]
+    off_cpu = torch.empty(3, 5, 4, device="meta")  # not the CPU: the accelerator's budget (4 elements = 1 row)
+    assert [tuple(x.shape) for (x,) in regions._row_chunks(off_cpu)] == [(1, 4)] * 15
+    # and the chunked SwiGLU region gives the unchunked bits
+    gate, up = _rand_bf16((3, 5, 4), 0, 4.0), _rand_bf16((3, 5, 4), 1)
+    assert torch.equal(regions._swiglu_fused_chunked(gate, up), regions.swiglu_fused(gate, up))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the region nodes a patched model calls (``region_kernels``)
+
+
+@fresh_kernels
+def test_region_kernels_default_to_eager_and_compiled_mode_compiles_every_region(monkeypatch):
+    """region_kernels() is the eager set; "compiled" wraps each region's formula with _compiled_kernel (replaced
+    here by a recorder, so nothing is compiled)."""
+    assert regions.region_kernels() is regions.region_kernels("eager")
+    built = []
+    monkeypatch.setattr(regions, "_compiled_kernel", lambda fn: built.append(fn.__name__) or fn)
+    K = regions.region_kernels("compiled")
+    assert K.mode == "compiled" and sorted(built) == sorted(regions._FUSED)
+
+
+@fresh_kernels
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_eager_region_nodes_compute_their_formula_and_its_gradients(dtype):
+    """Each eager region node (what a patched model calls) against the plain formula: forward bitwise, gradients
+    bitwise those of autograd on the formula (the node recomputes it in backward), for bf16 and fp32 inputs."""
+    K = regions.region_kernels("eager")
+    assert K.mode == "eager" and regions.region_kernels("eager") is K
+    x, r = _rand_bf16((2, 3, 64), 0).to(dtype), _rand_bf16((2, 3, 64), 1, 4.0).to(dtype)
+    w = (_rand_bf16((64,), 2).abs() + 0.5).to(dtype)
+    cases = {
+        "swiglu_fused": ((x, r), {}),
+        "rmsnorm_fused": ((x, w), {"eps": 1e-6}),
+        "add_rmsnorm_fp32_sum": ((x, r, w), {"eps": 1e-6}),
+        "add_rmsnorm_bf16_sum": ((x, r, w), {"eps": 1e-6}),
+    }
+    for name, (inputs, kw) in cases.items():
+        formula = getattr(regions, name)
+        a = [t.clone().requires_grad_(True) for t in inputs]
+        b = [t.clone().requires_grad_(True) for t in inputs]
+        got, want = getattr(K, name)(*a, **kw), formula(*b, **kw)
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        assert all(g.dtype == v.dtype and torch.equal(g, v) for g, v in zip(got, want)), name
+        grads = [_rand_bf16(v.shape, 7 + i).to(v.dtype) for i, v in enumerate(want)]
+        torch.autograd.backward(got, grads)
+        torch.autograd.backward(want, grads)
+        for i, (ga, gb) in enumerate(zip(a, b)):
+            assert ga.grad.dtype == gb.grad.dtype == dtype and torch.equal(ga.grad, gb.grad), (name, i)
+    cos, sin = _distinct_tables(2, 3, 64, 0)
+    q = x.reshape(2, 1, 3, 64).clone().requires_grad_(True)
+    q2 = q.detach().clone().requires_grad_(True)
+    for name in ("rope_fused", "rope_fused_rz"):
+        out = getattr(K, name)(q, cos, sin)
+        assert torch.equal(out, getattr(regions, name)(q2, cos, sin)) and out.dtype == BF16, name
+    # cos/sin that need gradients (not HF's buffers) go through the recomputing node: x, cos and sin all get theirs
+    c, s_ = cos.clone().requires_grad_(True), sin.clone().requires_grad_(True)
+    c2, s2 = cos.clone().requires_grad_(True), sin.clone().requires_grad_(True)
+    g = _rand_bf16((2, 1, 3, 64), 9)
+    torch.autograd.backward(K.rope_fused(q, c, s_, out_dtype=F32), g.float())
+    torch.autograd.backward(regions.rope_fused(q2, c2, s2, out_dtype=F32), g.float())
+    assert torch.equal(q.grad, q2.grad) and torch.equal(c.grad, c2.grad) and torch.equal(s_.grad, s2.grad)
+    with pytest.raises(TypeError, match="^rmsnorm_fused: pass non-tensor arguments by keyword in the kernel namespace$"):
+        K.rmsnorm_fused(x, w, 1e-6)
+    with pytest.raises(ValueError, match=r"^unknown region kernel mode 'fast'; valid: eager, compiled$"):
+        regions.region_kernels("fast")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Region nodes whose inputs do not all need a gradient (a frozen norm weight or SwiGLU input, as under LoRA; one RoPE
+# table that needs one), the eager RoPE node asked for fp32, and fp32 inputs that also feed the residual stream:
+# gradients bitwise those of plain autograd on formulas written here.
+
+
+def _ref_rmsnorm32(x, w, eps):
+    """vLLM's RMSNorm native formula written out in fp32 autograd ops: x * rsqrt(mean(x^2) + eps) * w, one rounding
+    to w's dtype at the end."""
+    xf = x.to(F32)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(F32)).to(w.dtype)
+
+
+@fresh_kernels
+@pytest.mark.parametrize("frozen", ["weight", "x"])
+def test_region_node_with_a_frozen_input_gives_the_others_autograd_gradient_and_it_none(frozen):
+    """A norm weight frozen (requires_grad False: LoRA, or a frozen layer): the bf16 node's input gradient is
+    bitwise plain autograd's on the formula written here, and the frozen input gets none (and the reverse)."""
+    K = regions.region_kernels("eager")
+    x, r = _rand_bf16((2, 3, 64), 20, 3.0), _rand_bf16((2, 3, 64), 21)
+    w = _rand_bf16((64,), 22).abs() + 0.5
+    g = _rand_bf16((2, 3, 64), 23)
+    for name in ("rmsnorm_fused", "add_rmsnorm_fp32_sum"):
+        xa, xb = x.clone().requires_grad_(frozen != "x"), x.clone().requires_grad_(frozen != "x")
+        ra, rb = r.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        wa, wb = w.clone().requires_grad_(frozen != "weight"), w.clone().requires_grad_(frozen != "weight")
+        if name == "rmsnorm_fused":
+            got, want = K.rmsnorm_fused(xa, wa, eps=1e-6), _ref_rmsnorm32(xb, wb, 1e-6)
+            free_a, free_b = [t for t in (xa, wa) if t.requires_grad], [t for t in (xb, wb) if t.requires_grad]
+            outs = [(got, want, g)]
+        else:
+            (got, s_a), s_b = K.add_rmsnorm_fp32_sum(xa, ra, wa, eps=1e-6), xb.to(F32) + rb.to(F32)
+            want = _ref_rmsnorm32(s_b, wb, 1e-6)  # the norm reads the unrounded fp32 sum; the stream is it rounded
+            free_a, free_b = [t for t in (xa, ra, wa) if t.requires_grad], [t for t in (xb, rb, wb) if t.requires_grad]
+            outs = [(got, want, g), (s_a, s_b.to(BF16), g.flip(-1))]
+        assert all(torch.equal(a, b) for a, b, _ in outs), name
+        torch.autograd.backward([a for a, _, _ in outs], [gg for _, _, gg in outs])
+        torch.autograd.backward([b for _, b, _ in outs], [gg for _, _, gg in outs])
+        assert len(free_a) == len(free_b) >= 1
+        for ta, tb in zip(free_a, free_b):
+            assert ta.grad is not None and ta.grad.dtype == BF16 and torch.equal(ta.grad, tb.grad), (name, frozen)
+        frozen_a = wa if frozen == "weight" else xa
+        assert frozen_a.grad is None, name
+
+
+@fresh_kernels
+@pytest.mark.parametrize("needs", ["gate", "up"])
+def test_swiglu_node_with_one_frozen_input_gives_the_other_its_gradient(needs):
+    """silu(gate) * up in fp32, rounded once: d/dgate = g*up*s*(1 + gate*(1 - s)), d/dup = g*silu(gate), s the
+    sigmoid; plain autograd of that formula written here, bitwise, for the input that needs a gradient; none for the
+    other."""
+    K = regions.region_kernels("eager")
+    gate, up, g = _rand_bf16((3, 5, 32), 30, 3.0), _rand_bf16((3, 5, 32), 31), _rand_bf16((3, 5, 32), 32)
+    ga, ua = gate.clone().requires_grad_(needs == "gate"), up.clone().requires_grad_(needs == "up")
+    gb, ub = gate.clone().requires_grad_(needs == "gate"), up.clone().requires_grad_(needs == "up")
+    got = K.swiglu_fused(ga, ua)
+    want = (torch.nn.functional.silu(gb.to(F32)) * ub.to(F32)).to(BF16)
+    assert torch.equal(got, want)
+    got.backward(g)
+    want.backward(g)
+    live_a, dead_a, live_b = (ga, ua, gb) if needs == "gate" else (ua, ga, ub)
+    assert live_a.grad is not None and torch.equal(live_a.grad, live_b.grad) and dead_a.grad is None
+
+
+@fresh_kernels
+@pytest.mark.parametrize("table", ["cos", "sin"])
+def test_rope_node_with_only_one_table_needing_a_gradient_gives_it_its_gradient(table):
+    """cos (or sin alone) a learned tensor: its gradient is g*x (for sin: g*rotate_half(x)), each product exact in
+    fp32 and rounded once to the table's dtype; x's is the transposed rotation (as for HF's buffers)."""
+    K = regions.region_kernels("eager")
+    x, g = _rand_bf16((2, 1, 5, 64), 40, 3.0), _rand_bf16((2, 1, 5, 64), 41)
+    cos, sin = _distinct_tables(2, 5, 64, 4)
+    cos, sin = cos.clone().requires_grad_(table == "cos"), sin.clone().requires_grad_(table == "sin")
+    xl = x.clone().requires_grad_(True)
+    out = K.rope_fused(xl, cos, sin)
+    assert torch.equal(out, _ref_rope_fp32(x, cos.detach(), sin.detach()).to(BF16))
+    out.backward(g)
+    x64, g64 = x.to(F64), g.to(F64)
+    want_cos, want_sin = (g64 * x64).to(BF16), (g64 * _rotate_half64(x64)).to(BF16)
+    learned, frozen, want = (cos, sin, want_cos) if table == "cos" else (sin, cos, want_sin)
+    assert learned.grad is not None and torch.equal(learned.grad, want) and frozen.grad is None
+    gs = g64 * sin.detach().to(F64)
+    want_x = (g64 * cos.detach().to(F64) + torch.cat((gs[..., 32:], -gs[..., :32]), dim=-1)).to(F32).to(BF16)
+    assert torch.equal(xl.grad, want_x)
+
+
+@fresh_kernels
+def test_rope_node_asked_for_an_fp32_output_returns_the_unrounded_fp32_rotation():
+    """The eager RoPE node (tables need no gradient: HF's buffers) with out_dtype=float32 (a fused norm+RoPE kernel
+    keeping fp32): the fp32 rotation itself, not rounded to bf16; and its backward still gives x the transposed
+    rotation."""
+    K = regions.region_kernels("eager")
+    x, g = _rand_bf16((2, 3, 5, 64), 50, 3.0), _rand_bf16((2, 3, 5, 64), 51).to(F32)
+    cos, sin = _distinct_tables(2, 5, 64, 5)
+    for name in ("rope_fused", "rope_fused_rz"):  # an fp32 output has no rounding, toward zero or otherwise
+        xl = x.clone().requires_grad_(True)
+        out = getattr(K, name)(xl, cos, sin, out_dtype=F32)
+        assert out.dtype == F32 and torch.equal(out, _ref_rope_fp32(x, cos, sin)), name
+        out.backward(g)
+        gs = g.to(F64) * sin.to(F64)
+        want = (g.to(F64) * cos.to(F64) + torch.cat((gs[..., 32:], -gs[..., :32]), dim=-1)).to(F32).to(BF16)
+        assert torch.equal(xl.grad, want), name
+
+
+@fresh_kernels
+def test_fp32_region_inputs_that_also_feed_the_residual_stream_accumulate_their_gradient_as_stock_autograd():
+    """An fp32 model (eager kernels): an input that feeds the norm AND the residual add gets the gradient plain
+    autograd of the written-out formula gives, bitwise (one node would sum the norm's share first; fp32 addition is
+    not associative)."""
+    K = regions.region_kernels("eager")
+    g = torch.Generator().manual_seed(60)
+    x = (torch.randn(4, 7, 64, generator=g) * torch.logspace(-2, 2, 64)).requires_grad_(True)
+    w = (torch.rand(64, generator=g) + 0.5).requires_grad_(True)
+    up = torch.randn(4, 7, 64, generator=g).requires_grad_(True)
+    dy = torch.randn(4, 7, 64, generator=g)
+    xb, wb, upb = (t.detach().clone().requires_grad_(True) for t in (x, w, up))
+
+    def block(norm, swiglu, x, w, up):
+        return x + swiglu(norm(x, w), up) + x * 0.75  # x: the norm's input, the residual, and one more use
+
+    y = block(lambda a, b: K.rmsnorm_fused(a, b, eps=1e-6), K.swiglu_fused, x, w, up)
+    yb = block(lambda a, b: _ref_rmsnorm32(a, b, 1e-6),
+               lambda a, b: torch.nn.functional.silu(a.to(F32)) * b.to(F32), xb, wb, upb)
+    assert torch.equal(y, yb)
+    y.backward(dy)
+    yb.backward(dy)
+    for a, b in ((x, xb), (w, wb), (up, upb)):
+        assert torch.equal(a.grad, b.grad)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the compiled region kernels (Inductor)
+
+
+@fresh_kernels
+def test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order():
+    # regions._with_order binds each order under its own key of a module-level dict that the compiled graph reads
+    # as a constant; one shared key would let the last order registered replace an earlier kernel's on its next
+    # trace (Dynamo's guard on the dict entry fails and it retraces with the other order). Found by sampling the
+    # compiled-mode survivors of make mutation against the slow tests: none of them noticed.
+    from roundalign.numerics import regions as R
+
+    K = R.region_kernels("compiled")
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(64, 256, generator=g) * 3).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    want_a = R.rmsnorm_fused(x, w, 1e-6, sum_order=(16, 2), keep_fp32=True)  # the eager formula in that order
+    want_b = R.rmsnorm_fused(x, w, 1e-6, sum_order=(8, 1), keep_fp32=True)
+    want_c = R.rmsnorm_fused(x, w, 1e-6, sum_order=(4, 2), keep_fp32=True)  # a key of n alone would be (16, 2)'s
+    assert not torch.equal(want_a, want_b) and not torch.equal(want_a, want_c)  # the orders differ on this data
+    with torch.no_grad():
+        first = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(16, 2), keep_fp32=True)
+        other = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(8, 1), keep_fp32=True)
+        third = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(4, 2), keep_fp32=True)
+        again = K.rmsnorm_fused(x, w, eps=1e-6, sum_order=(16, 2), keep_fp32=True)
+    assert torch.equal(first, want_a) and torch.equal(other, want_b) and torch.equal(third, want_c)
+    assert torch.equal(again, want_a)
+
+
+def _inductor_vjp(formula, inputs, grads, **kwargs):
+    """The spec of a compiled region's backward, written here: Inductor's compile (dynamic shapes) of
+    ``torch.func.vjp`` of the eager formula, with the formula's keywords bound in the traced function."""
+    def vjp(xs, gs):
+        out, pull = torch.func.vjp(lambda *a: formula(*a, **kwargs), *xs)
+        return pull(gs if isinstance(out, tuple) else gs[0])
+    torch._dynamo.reset()  # each call closes over other keywords: a fresh cache, clear of the recompile limit
+    return torch.compile(vjp, dynamic=True)(tuple(inputs), tuple(grads))
+
+
+@fresh_kernels
+@pytest.mark.parametrize("region", ["swiglu", "rmsnorm", "add_fp32_sum", "add_bf16_sum"])
+def test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp(region):
+    """A compiled region's first-order backward is Inductor's compile of the formula's VJP: bitwise the VJP compiled
+    here, with the region's keywords (eps, the reduction order, keep_fp32) reaching it, an output that gets no
+    gradient (a norm's residual sum) counted as zeros, and no gradient for an input that needs none. Within 2^-6
+    (relative norm) of the eager formula's autograd: an Inductor-independent check that the right function is
+    differentiated. tests/test_compiled_engine.py checks the forwards against the compiled engine; nothing checked
+    this VJP alone."""
+    from roundalign.numerics import regions as R
+
+    K = R.region_kernels("compiled")
+    g = torch.Generator().manual_seed(41)
+    rows, d = 24, 128
+    x = (torch.randn(rows, d, generator=g) * 3).to(BF16)
+    other = (torch.randn(rows, d, generator=g) * 2).to(BF16)
+    w = 1 + 0.1 * torch.randn(d, generator=g)  # an fp32 weight: its gradient is fp32, where the norm's order shows
+    dy = torch.randn(rows, d, generator=g).to(BF16)
+    if region == "swiglu":
+        formula, kernel, inputs, kw, needs = R.swiglu_fused, K.swiglu_fused, [x, other], {}, [True, False]
+    elif region == "rmsnorm":
+        formula, kernel, inputs = R.rmsnorm_fused, K.rmsnorm_fused, [x, w]
+        kw, needs = {"eps": 1e-6, "sum_order": (4, 1), "keep_fp32": True}, [True, True]
+    else:
+        name = {"add_fp32_sum": "add_rmsnorm_fp32_sum", "add_bf16_sum": "add_rmsnorm_bf16_sum"}[region]
+        formula, kernel, inputs = getattr(R, name), getattr(K, name), [x, other, w]
+        kw, needs = {"eps": 1e-6, "sum_order": (4, 1)}, [True, False, True]
+    leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
+    out = kernel(*leaves, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    outs[0].backward(dy.to(outs[0].dtype))  # a norm's second output (the residual sum) gets no gradient
+    got = [t.grad for t in leaves]
+    assert [gr is not None for gr in got] == needs  # no gradient where none is needed
+    grads = [dy.to(outs[0].dtype)] + [torch.zeros(o.shape, dtype=o.dtype) for o in outs[1:]]
+    want = _inductor_vjp(formula, inputs, grads, **kw)
+    assert len(want) == len(inputs)
+    if "sum_order" in kw:  # the order reaches the VJP: without it, other bits
+        unordered = _inductor_vjp(formula, inputs, grads, **{k: v for k, v in kw.items() if k != "sum_order"})
+        assert not all(torch.equal(a, b) for a, b, n in zip(want, unordered, needs) if n)
+    eager_leaves = [t.detach().requires_grad_(n) for t, n in zip(inputs, needs)]
+    eager_out = formula(*eager_leaves, **kw)
+    (eager_out[0] if isinstance(eager_out, tuple) else eager_out).backward(grads[0])
+    for gr, wa, leaf, n in zip(got, want, eager_leaves, needs):
+        if not n:
+            continue
+        assert gr.dtype == leaf.dtype and torch.equal(gr, wa)  # bitwise Inductor's compile of the VJP
+        e = leaf.grad.float()  # rounding apart: eager autograd rounds its fp32 intermediates where Inductor fuses
+        assert (gr.float() - e).norm() <= 2.0 ** -6 * e.norm()

@@ -63,7 +63,7 @@ def _metrics(path: Path) -> list[dict]:
 
 def _packed(sweep: str, model: str, variant: str, seed: int, name: str) -> bytes | None:
     """A run's file from the sweep's committed chunk archives (the dose sweep packs its runs per chunk:
-    scripts/dose_chunks.py), or None."""
+    tools/cluster/dose_chunks.py), or None."""
     import tarfile
 
     member = f"results/{sweep}/runs/{model}/{variant}/seed{seed}/{name}"

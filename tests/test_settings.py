@@ -1,8 +1,7 @@
 """One source per train setting: each TrainConfig field's help (``metadata["help"]``) is what the CLI, the sweep
-schema's descriptions and docs/settings.md show (scripts/gen_settings.py writes the schema blocks and the table)."""
+schema's descriptions and docs/settings.md show (tools/docs_gen/settings.py writes the schema blocks and the table)."""
 
 import dataclasses
-import importlib.util
 import re
 import subprocess
 import sys
@@ -19,10 +18,9 @@ FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("gen_settings", ROOT / "scripts/gen_settings.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tools.docs_gen import settings
+
+    return settings
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +37,7 @@ def _flat(text: str) -> str:
 
 def test_schema_and_docs_agree_with_the_field_help(gen):
     assert gen.check() == []
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/gen_settings.py"), "--check"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "tools.docs_gen.settings", "--check"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 
@@ -114,7 +112,7 @@ def test_check_names_the_key_whose_schema_description_was_edited(gen, tmp_path):
     schema.write_text(edited)
     problems = gen.check(schema, ROOT / "docs/settings.md")
     assert len(problems) == 1 and "train.learning_rate: description differs" in problems[0], problems
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/gen_settings.py"), "--check", "--schema", str(schema)],
+    res = subprocess.run([sys.executable, "-m", "tools.docs_gen.settings", "--check", "--schema", str(schema)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "train.learning_rate: description" in res.stderr, res.stderr
     # rewriting puts the field help back, and touches nothing outside the marked blocks
@@ -126,3 +124,21 @@ def test_check_names_the_key_whose_docs_row_was_edited(gen, tmp_path):
     docs.write_text((ROOT / "docs/settings.md").read_text().replace("AdamW weight decay.", "Weight decay."))
     problems = gen.check(ROOT / "workflow/schemas/sweep.schema.yaml", docs)
     assert problems == [f"{docs}: differs from TrainConfig's help (keys: weight_decay)"]
+
+
+def test_the_train_configs_kernels_default_to_the_engines_mode_and_a_named_mode_stays():
+    """TrainConfig's kernels=auto resolves to ``default_kernels``' choice when the config is built (run.json records
+    the mode that ran): the trainer and ``apply_alignment`` pick the same kernels for an engine unless told, and a
+    mode named explicitly stays."""
+    from roundalign.training.config import build_config
+
+    def kernels(**over):
+        return build_config(overrides={"model": "x", **over}).kernels
+
+    assert kernels(backend="vllm", engine="vllm-cpu-compiled") == "compiled"
+    assert kernels(backend="vllm", engine="vllm-cpu-eager") == "eager"
+    assert kernels(engine="vllm-cpu-compiled") == "compiled"  # the emulated compiled CPU engine too
+    assert kernels(engine="vllm-compiled") == "eager" and kernels(engine="vllm-eager") == "eager"
+    assert kernels(engine="vllm-cpu-compiled", variant="fp32") == "eager"  # fp32: the only bitwise no-op
+    assert kernels(backend="vllm", engine="vllm-cpu-compiled", kernels="eager") == "eager"
+    assert kernels(engine="vllm-eager", kernels="compiled") == "compiled"

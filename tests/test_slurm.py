@@ -1,5 +1,5 @@
 """The sweep on a real SLURM cluster: `workflow/profiles/slurm` with the real executor plugin (sbatch, srun,
-squeue), against the one-node cluster of `make slurm-up` (scripts/slurm_local.sh). Not a dry run.
+squeue), against the one-node cluster of `make slurm-up` (tools/cluster/slurm_local.sh). Not a dry run.
 
 One reduced sweep (one tiny model x baseline/rope/full, 16 steps) goes through the profile while a local run
 of the same config gives the reference; meanwhile
@@ -345,9 +345,9 @@ def test_the_profile_needs_only_environment_variables_and_no_account(sweep):
 
 
 def test_slurm_up_is_idempotent_and_status_answers(sweep):
-    script = ROOT / "scripts/slurm_local.sh"
+    script = ROOT / "tools/cluster/slurm_local.sh"
     if os.geteuid() != 0 or not (SLURM_DIR / "pids").is_file():
-        pytest.skip("the cluster was not started by scripts/slurm_local.sh as this user")
+        pytest.skip("the cluster was not started by tools/cluster/slurm_local.sh as this user")
     res = subprocess.run([str(script), "up"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "already up" in res.stdout, res.stdout + res.stderr
     assert subprocess.run([str(script), "status"], capture_output=True, text=True).returncode == 0

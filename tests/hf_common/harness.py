@@ -1,6 +1,6 @@
 """Run ``qwen_suite.py`` (transformers' common model tests, stock and aligned) in subprocesses and compare.
 
-Used by ``tests/test_hf_model_tests.py`` (in ``make test``) and ``scripts/hf_model_tests.py`` (writes
+Used by ``tests/test_hf_model_tests.py`` (in ``make test``) and ``tools/bench/hf_model_tests.py`` (writes
 ``results/bench/hf_model_tests.txt``). One pytest process per architecture, run side by side; each writes a junit
 XML whose per-test outcomes are compared class by class against the stock class of the same architecture.
 """

@@ -5,7 +5,7 @@ This file is our own: the sdist has ``tests/test_modeling_common.py`` but not th
 ``tests/models/qwen{2,3}`` files nor ``tests/causal_lm_tester.py``, so ``QwenTester`` below is the smallest model
 tester that drives the common mixin (tiny configs, random ids and masks with the mixin's own helpers). It is
 not collected by the main suite (no ``test_`` prefix); ``tests/test_hf_model_tests.py`` and
-``scripts/hf_model_tests.py`` run it in a subprocess with ``hf_common/`` and the sdist's ``hf_tests`` on the path
+``tools/bench/hf_model_tests.py`` run it in a subprocess with ``hf_common/`` and the sdist's ``hf_tests`` on the path
 and compare each aligned class's per-test outcomes with the stock class's.
 
 ``ROUNDALIGN_HF_ARCHS`` (``qwen2,qwen3``) and ``ROUNDALIGN_HF_ALIGNMENTS`` (names of ``ALIGNMENTS``, ``stock``

@@ -65,7 +65,7 @@ which kernels they reach (below).
     sums are fp32 partial sums in another order, and a token whose cumulative probability lies within rounding of
     top_p can be kept on one side and masked on the other (its row's normalizer then differs). With top-k (alone or
     with top-p) every row goes through the per-row kernel (the split pipeline skips rows with an active top-k), so
-    rows do not depend on the batch. Settings concerned: CUDA, top_p < 1 with top_k = 0. scripts/gpu_check.py
+    rows do not depend on the batch. Settings concerned: CUDA, top_p < 1 with top_k = 0. tools/gpu_check.py
     part (g) measures it.
   - The temperature: vLLM divides by a CUDA fp32 tensor (a true division); ``_engine_sampler_logprobs`` divides by a
     Python float, which PyTorch on CUDA computes as ``x * (1 / T)`` (ATen native/cuda/BinaryDivTrueKernel.cu: a CPU
@@ -90,7 +90,6 @@ import dataclasses
 import inspect
 import json
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -562,14 +561,11 @@ def test_a_reciprocal_multiply_by_the_temperature_is_not_vllms_division():
 
 
 def test_gpu_checks_scoring_part_runs_against_vllms_sampler_on_the_cpu():
-    # scripts/gpu_check.py part (g)'s scoring check (the training path of scoring=engine against vLLM's LM head in
+    # tools/gpu_check.py part (g)'s scoring check (the training path of scoring=engine against vLLM's LM head in
     # decode batches and its Sampler), on the CPU: the code a lent GPU will run, with the CPU build's sampler
     # (forward_cpu: the same processed-logprobs formula). On this CPU every token is bitwise and every head row too.
-    import importlib.util
+    from tools import gpu_check
 
-    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[2] / "scripts/gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     rows = gpu_check.check_scoring(torch.device("cpu"), seed=0, vocab=4096, hidden_size=256)
     assert [r["temperature"] for r in rows] == [1.0, 0.7]
     for r in rows:

@@ -1,7 +1,7 @@
 """``roundalign attribute`` against the real engine, vLLM 0.31.0's CPU build: the waterfall ends at k3 = 0, bitwise,
 in eager and compiled mode, once every source is equalized; each source this CPU shows loses its share when its
 equalization is undone; the sources it does not show (decode, gemm) are exactly zero, with the engine's own GEMM
-kernel checked to be running; and the users' effects of scripts/user_effects.py (top-p without renormalisation,
+kernel checked to be running; and the users' effects of tools/studies/user_effects.py (top-p without renormalisation,
 the trainer's micro-batch, temperature on one side) hold. The emulated engine's twin: tests/test_attribute.py."""
 
 import json
@@ -132,8 +132,9 @@ def test_the_gemm_equalization_runs_vllms_own_kernel(monkeypatch):
 
 def test_users_effects(model_dir, tmp_path):
     out = tmp_path / "effects.json"
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/user_effects.py"), "--model", model_dir, "--out", str(out),
-                          "--prompts", "12", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, "-m", "tools.studies.user_effects", "--model", model_dir, "--out", str(out),
+                          "--prompts", "12", "--max-new-tokens", "12"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     e = json.loads(out.read_text())
     top_p = {(r["top_p"], r["top_k"]): r for r in e["top_p_top_k"]}

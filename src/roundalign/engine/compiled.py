@@ -34,7 +34,7 @@ variant must match.
 
 Not emulated here: vLLM's merged QKV / gate-up GEMMs and their cuBLAS tiles, FlashAttention, paged KV
 blocks, CUDA graphs, custom fusion passes (none is on by default for these models on one GPU), tensor
-parallelism. ``scripts/gpu_check.py`` repeats the comparison with Triton on a GPU.
+parallelism. ``tools/gpu_check.py`` repeats the comparison with Triton on a GPU.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ Guarantees (each enforced by a test in ``tests/test_patch.py`` / ``tests/test_en
   (``regions.region_kernels``), with gradients bitwise those of plain autograd on the formula, first and second
   order: ``backward(retain_graph=True)`` twice and ``create_graph=True``/double backward work with both kernel
   modes (``tests/test_compiled_engine.py``), and ``full`` keeps less activation memory than ``baseline``
-  (``tests/test_activation_memory.py``, ``scripts/bench_memory.py``);
+  (``tests/test_activation_memory.py``, ``tools/bench/memory.py``);
 - ``torch.compile(model, fullgraph=True, options={"emulate_precision_casts": True})`` of an aligned model is
   bitwise the eager aligned model (logits and hidden states, sdpa attention, both kernel modes), does not
   recompile on a repeated call, and trains (``tests/test_torch_compile.py``). Inductor's default elides

@@ -215,7 +215,7 @@ def qk_norm_rope_fused(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: 
 # weight; RoPE saves nothing but cos/sin) and recomputes its fp32 intermediates in backward. Left to
 # autograd, the fp32 formulas keep fp32 copies of everything they touch (SwiGLU: gate, silu(gate) and up in
 # fp32, 12 bytes per intermediate element where HF keeps 6), which made ``full`` keep 27% more activation
-# bytes than ``baseline`` (scripts/bench_memory.py). With eager kernels the backward is autograd of the
+# bytes than ``baseline`` (tools/bench/memory.py). With eager kernels the backward is autograd of the
 # eager formula, recomputed from the same inputs, so gradients are bitwise those of the plain formula; it is
 # written with differentiable ops, so ``create_graph=True`` / double backward and ``retain_graph=True`` work
 # in both modes. Compiled mode compiles the forward (it runs under no_grad inside the node) and, for a

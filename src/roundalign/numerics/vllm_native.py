@@ -4,7 +4,7 @@ These are what vLLM's default compiled path (-O2, ``CompilationMode.VLLM_COMPILE
 Inductor ``custom_ops`` is "none" and the RMSNorm IR ops lower to their ``native`` implementation
 (``ir_op_priority``), so these Python formulas are traced into vLLM's FX graph, split into pieces at each
 attention call and compiled piece by piece. ``roundalign.engine.compiled`` builds the emulated
-``vllm-compiled`` engine from them the same way; ``tests/test_inductor.py`` and ``scripts/gpu_check.py``
+``vllm-compiled`` engine from them the same way; ``tests/test_inductor.py`` and ``tools/gpu_check.py``
 compare them compiled against the trainer's regions.
 
 Sources (vllm-0.31.0 wheel):

@@ -83,7 +83,7 @@ def vllm_sample(cfg: ProbeConfig, prompts: list[list[int]], *, gpu_memory_utiliz
         samples = sample_with_logprobs(llm, prompts, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                        seed=cfg.seed)
         # vLLM's prompt logprobs are of the raw logits (no temperature): comparable to the trainer's at T = 1 only.
-        # Run against the CPU build only: on a GPU this path has not been exercised yet (scripts/gpu_check.py).
+        # Run against the CPU build only: on a GPU this path has not been exercised yet (tools/gpu_check.py).
         forced = teacher_forced(llm, samples, 1.0) if cpu and cfg.temperature == 1.0 else None
     finally:
         shutdown_llm(llm)

@@ -17,7 +17,7 @@ SIGTERM, and a 7B checkpoint takes longer than that) leaves some of them missing
 - **rotation counts complete checkpoints only** (:func:`rotate`, after the marker): Trainer's own rotation is off,
   so the newest complete checkpoint is never removed while a newer one is still being written.
 
-``ROUNDALIGN_CKPT_FSYNC=0`` skips the flush (for measuring its cost: ``scripts/bench_train.py``).
+``ROUNDALIGN_CKPT_FSYNC=0`` skips the flush (for measuring its cost: ``tools/bench/train.py``).
 ``ROUNDALIGN_FAULT_INJECT`` kills the process at a named point of the save (tests only, :func:`fault_point`).
 """
 

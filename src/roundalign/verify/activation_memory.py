@@ -13,7 +13,7 @@ Two deterministic measures (no timing, no sampling: the same model and batch giv
   mode ``torch.compile``'d functions do not run their compiled kernels (measured: a model with compiled region
   kernels then saves exactly what the eager one saves), so ``track_peak=False`` there and ``peak_bytes`` is None.
 
-This module knows nothing about alignment; ``scripts/bench_memory.py`` compares variants with it.
+This module knows nothing about alignment; ``tools/bench/memory.py`` compares variants with it.
 """
 
 from __future__ import annotations

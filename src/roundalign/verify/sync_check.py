@@ -7,7 +7,7 @@ After each optimizer step of ``roundalign train --backend vllm`` (TRL 1.16's GRP
 colocated engine gone: one engine per process), a fresh engine is built from each saved step, in the same mode,
 and scores the same sequences. The sync is correct when, at every step, the synced engine equals the fresh one
 bitwise; the engine before the sync must differ (else the step did not move the engine, and the check proves
-nothing). Used by ``tests/vllm_cpu/test_grpo_real.py`` (vLLM's CPU build) and ``scripts/gpu_check.py`` (CUDA).
+nothing). Used by ``tests/vllm_cpu/test_grpo_real.py`` (vLLM's CPU build) and ``tools/gpu_check.py`` (CUDA).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark: activation memory of ``full`` over ``baseline``, as ratios measured in one run.
 
-    python scripts/bench_memory.py --out results/bench/memory.txt      # ~1 min on 2 CPU cores
+    python -m tools.bench.memory --out results/bench/memory.txt      # ~1 min on 2 CPU cores
     make bench                                                           # the same, with the other benchmarks
 
 One training step (forward + ``loss.backward()``) of a tiny bf16 Qwen2 and Qwen3 (4 layers, hidden 256,

@@ -1,7 +1,7 @@
 """Record: how many sampled tokens `full` gets bitwise from the emulated engine's KV-cache decode, per case of
 ``tests/test_engine.py::test_full_is_on_policy_with_equal_kernels``.
 
-    python scripts/kv_decode_table.py --out results/bench/kv_decode.txt     # ~2 min on 2 cores
+    python -m tools.studies.kv_decode_table --out results/bench/kv_decode.txt     # ~2 min on 2 cores
 
 The test asserts a floor per case (1.0 where the case is bitwise on every CPU measured so far) and prints nothing;
 this script runs the same cases with the test's own helpers (same models, prompts, seeds) and writes the counts
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import random_qwen  # noqa: E402

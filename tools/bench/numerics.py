@@ -1,6 +1,6 @@
 """Benchmark: cost of alignment and what it buys, measured as ratios within one run.
 
-    python scripts/bench_numerics.py --out results/bench/numerics.txt        # ~5 min on 2 CPU cores
+    python -m tools.bench.numerics --out results/bench/numerics.txt        # ~5 min on 2 CPU cores
     make bench                                                                 # the same
 
 Part 1: forward+backward time of each variant over ``baseline`` on a Qwen-shaped bf16 model with

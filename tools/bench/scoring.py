@@ -7,7 +7,7 @@ resident memory is that process's ru_maxrss), all in one run of this script, in 
 the unchunked formula's (per-row GEMM bits: bf16 F.linear gives a row the same bits whatever other rows share
 the call on the CPUs measured).
 
-    .venv/bin/python scripts/bench_scoring.py [--tokens 512] [--rounds 2] [--out results/bench/scoring.txt]
+    .venv/bin/python -m tools.bench.scoring [--tokens 512] [--rounds 2] [--out results/bench/scoring.txt]
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB, HIDDEN = 151_936, 1_536
 ARMS = ("engine_chunked", "trl_fused", "engine_unchunked")
 
@@ -78,15 +80,15 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]  # rotate which arm runs first
         for arm in order:
-            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--tokens", str(a.tokens)],
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run([sys.executable, "-m", "tools.bench.scoring", "--arm", arm, "--tokens",
+                                   str(a.tokens)], capture_output=True, text=True, check=True, cwd=ROOT)
             results[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"[bench-scoring] round {r + 1} {arm}: {results[arm][-1]}", file=sys.stderr)
     import torch
 
     lines = [f"# scoring {a.tokens} tokens over a {VOCAB:,} x {HIDDEN:,} bf16 head, fresh process per arm, {a.rounds} "
              f"rounds in turns (torch {torch.__version__}, {torch.get_num_threads()} threads, "
-             f"{platform.processor() or platform.machine()}; scripts/bench_scoring.py). Peak RSS above inputs: the "
+             f"{platform.processor() or platform.machine()}; tools/bench/scoring.py). Peak RSS above inputs: the "
              f"process's peak resident memory less what it held once the head and hidden states existed.",
              f"{'arm':18s} {'what':22s} {'median s':>9s} {'peak RSS above inputs, MiB':>27s}  bitwise unchunked"]
     what = {"engine_chunked": "forward + backward", "trl_fused": "forward + backward",

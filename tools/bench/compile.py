@@ -1,6 +1,6 @@
 """Benchmark: a compiled aligned model against a compiled stock model, forward+backward, ratios within one run.
 
-    python scripts/bench_compile.py --out results/bench/compile.txt        # compiles dominate: ~15 min on 2 cores
+    python -m tools.bench.compile --out results/bench/compile.txt        # compiles dominate: ~15 min on 2 cores
 
 On a CPU without AVX-512 (AVX2 only) some of torch's bf16 GEMM layouts run at ~1 GFLOP/s, and the default shape then spends
 ~95% of a step in aten::mm (51 s a step, measured): pass a smaller --hidden/--seq there, as make bench does.

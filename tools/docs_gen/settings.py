@@ -11,8 +11,8 @@ Each setting's help is written once, in its field (``roundalign.training.config.
 Both are written atomically (a temp file renamed over the old one). ``--check`` writes nothing and exits 1 naming
 each key whose schema entry or table row differs from the metadata (tests/test_settings.py runs it).
 
-    python scripts/gen_settings.py            # rewrite both
-    python scripts/gen_settings.py --check    # exit 1 if either is stale
+    python -m tools.docs_gen.settings            # rewrite both
+    python -m tools.docs_gen.settings --check    # exit 1 if either is stale
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from roundalign.training.config import (TrainConfig, setting_choices, setting_de
                                         setting_type, show_value)
 from roundalign.training.sweep import _PER_RUN_KEYS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "workflow/schemas/sweep.schema.yaml"
 DOCS = ROOT / "docs/settings.md"
 WIDTH = 100  # where the schema's descriptions wrap, indentation included (a line may pass it by one word)
 BEGIN = re.compile(r"^(?P<indent> *)# BEGIN train settings \((?P<mode>with|no) defaults\)")
 END = re.compile(r"^ *# END train settings")
-BEGIN_NOTE = "scripts/gen_settings.py writes them from TrainConfig"
+BEGIN_NOTE = "tools/docs_gen/settings.py writes them from TrainConfig"
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
@@ -135,8 +135,8 @@ def render_docs() -> str:
     return "\n".join([
         "# Train settings",
         "",
-        "<!-- Written by scripts/gen_settings.py from the field help of roundalign.training.config.TrainConfig: edit "
-        "the help there and rerun the script (tests/test_settings.py checks this file). -->",
+        "<!-- Written by tools/docs_gen/settings.py from the field help of roundalign.training.config.TrainConfig: "
+        "edit the help there and rerun the script (tests/test_settings.py checks this file). -->",
         "",
         "Every key of a `roundalign train --config` YAML file and of `--set KEY=VALUE`, and, except `model`, "
         "`variant` and `seed` (which a sweep sets per run), of a sweep's `train:` and `models.<name>.train:` "
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in problems:
             print(p, file=sys.stderr)
         if problems:
-            print("rerun: python scripts/gen_settings.py", file=sys.stderr)
+            print("rerun: python -m tools.docs_gen.settings", file=sys.stderr)
         return 1 if problems else 0
     text = args.schema.read_text()
     for path, new, old in ((args.schema, render_schema(text), text),

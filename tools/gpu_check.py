@@ -2,11 +2,11 @@
 
 On one CUDA GPU, in under 5 minutes:
 
-    python scripts/gpu_check.py --out results/bench/gpu
+    python -m tools.gpu_check --out results/bench/gpu
 
 Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1 minute):
 
-    python scripts/gpu_check.py --device cpu --tiny --out /tmp/gpu_check_smoke
+    python -m tools.gpu_check --device cpu --tiny --out /tmp/gpu_check_smoke
 
 (a) Inductor comparison. vLLM's ``forward_native`` formulas (RMSNorm with and without residual,
     SiluAndMul, neox RoPE, Qwen3 q/k norm -> RoPE as one graph; copied verbatim as in
@@ -832,7 +832,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device is available (torch.cuda.is_available() is False). This script checks "
               "Triton-compiled numerics and GPU cost; for a CPU smoke test of its code paths run\n"
-              "  python scripts/gpu_check.py --device cpu --tiny --out /tmp/gpu_check_smoke", file=sys.stderr)
+              "  python -m tools.gpu_check --device cpu --tiny --out /tmp/gpu_check_smoke", file=sys.stderr)
         return 2
     device = torch.device(args.device)
     size = "tiny" if args.tiny else "full"

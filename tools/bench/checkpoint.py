@@ -1,6 +1,6 @@
 """What crash consistency costs at save time: a checkpoint written with and without the flush.
 
-    python scripts/bench_checkpoint.py --out results/bench/checkpoint.txt     # ~1 min on 2 CPU cores
+    python -m tools.bench.checkpoint --out results/bench/checkpoint.txt     # ~1 min on 2 CPU cores
 
 Writes checkpoint-shaped directories like the runner's (bf16 weights as safetensors, fp32 masters and two Adam
 moments as one torch.save file, trainer_state.json) for a model of ``--params`` parameters, then completes each

@@ -17,9 +17,9 @@ Before any mutant, each selection runs once with no mutant active and must pass:
 
 Results go to ``mutants/recheck.json`` (written after each mutant, atomically). A rerun skips each mutant recorded
 with the same tests and the same source of its function; ``--retry-survivors`` reruns the recorded survivors too
-(after a new test), ``--fresh`` starts over. scripts/mutation_report.py counts a mutant recorded as killed as killed.
+(after a new test), ``--fresh`` starts over. tools/mutation/report.py counts a mutant recorded as killed as killed.
 
-    python scripts/mutation_recheck.py [--jobs 2] [--only PATTERN ...] [--retry-survivors] [--fresh]
+    python -m tools.mutation.recheck [--jobs 2] [--only PATTERN ...] [--retry-survivors] [--fresh]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = ROOT / "mutants"
 OUT = MUTANTS / "recheck.json"
 
@@ -44,28 +44,30 @@ OUT = MUTANTS / "recheck.json"
 # Each row names what the fast pass could not run for those functions.
 _P = "roundalign.numerics.patch."
 _R = "roundalign.numerics.regions."
-# the direct tests, then the engine-equality test: together they kill most patch.py mutants the fast pass missed
-_PATCH_ALL = ["tests/test_direct_mutants.py", "tests/test_engine.py::test_full_is_on_policy_with_equal_kernels",
-              "tests/test_patch.py", "tests/test_engine.py"]
-_VJP = "tests/test_direct_mutants.py::test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp"
-_COMPILED = [_VJP, "tests/test_direct_mutants.py::test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order",
+# the patch tests (and TrainConfig's kernels default, which calls patch.default_kernels), then the engine-equality
+# test: together they kill most patch.py mutants the fast pass missed
+_KERNELS_DEFAULT = ("tests/test_settings.py::test_the_train_configs_kernels_default_to_the_engines_mode_and_a_named_"
+                    "mode_stays")
+_PATCH_ALL = ["tests/test_patch.py", _KERNELS_DEFAULT,
+              "tests/test_engine.py::test_full_is_on_policy_with_equal_kernels", "tests/test_engine.py"]
+_VJP = "tests/test_regions.py::test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp"
+_COMPILED = [_VJP, "tests/test_regions.py::test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order",
              "tests/test_patch.py::test_norm_sum_orders_reach_every_norm_and_are_checked",
              "tests/test_inductor.py", "tests/test_compiled_engine.py"]
 _WARNS = "tests/test_torch_compile.py::test_compiling_an_aligned_model_without_emulated_casts_warns_once"
 RECHECK: list[tuple[str, list[str]]] = [
     # runs at import: the aligned classes are built once, when the package is imported
-    (_P + "x__define_aligned_classes__mutmut_*", ["tests/test_patch.py", "tests/test_direct_mutants.py",
-                                                  "tests/test_engine.py"]),
+    (_P + "x__define_aligned_classes__mutmut_*", ["tests/test_patch.py", "tests/test_engine.py"]),
     # runs only while Dynamo traces an aligned model (comptime)
     (_P + "x__check_compile_options__mutmut_*", [_WARNS]),
     (_P + "x__while_compiling__mutmut_*", [_WARNS]),
     # per-norm reduction orders (vllm-cpu-compiled) and the alignment a saved model carries: compiled/save-load tests
     (_P + "x_norm_modules__mutmut_*", ["tests/test_patch.py", "tests/test_compiled_engine.py"]),
     (_P + "x__set_sum_orders__mutmut_*", [
-        "tests/test_direct_mutants.py::test_norm_sum_orders_take_variant_norm_and_a_wrong_count_names_the_norms_the_"
+        "tests/test_patch.py::test_norm_sum_orders_take_variant_norm_and_a_wrong_count_names_the_norms_the_"
         "model_runs", "tests/test_patch.py", "tests/test_compiled_engine.py"]),
     (_P + "x_recorded_alignment__mutmut_*", [
-        "tests/test_direct_mutants.py::test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_"
+        "tests/test_patch.py::test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_"
         "baseline_removes_it", "tests/test_patch.py", "tests/test_compiled_engine.py"]),
     (_P + "*", _PATCH_ALL + ["tests/test_compiled_engine.py"]),
     # the compiled region kernels and their VJP: Inductor
@@ -76,15 +78,14 @@ RECHECK: list[tuple[str, list[str]]] = [
     (_R + "xǁ_RecomputeInBackwardǁbackward__mutmut_*", _COMPILED + ["tests/test_activation_memory.py"]),
     # one autograd node per region: its compiled VJP, and the formula itself inside an outer torch.compile
     (_R + "x__one_node__mutmut_*", [_VJP, "tests/test_torch_compile.py", "tests/test_regions.py",
-                                     "tests/test_direct_mutants.py", "tests/test_activation_memory.py",
-                                     "tests/test_engine.py"]),
-    (_R + "*", ["tests/test_regions.py", "tests/test_direct_mutants.py", "tests/test_activation_memory.py",
-                "tests/test_engine.py"]),
+                                     "tests/test_activation_memory.py", "tests/test_engine.py"]),
+    (_R + "*", ["tests/test_regions.py", "tests/test_activation_memory.py", "tests/test_engine.py"]),
     # the engine registry: its records drive the plans, the emulated engine and the guard
     ("roundalign.numerics.engines.*", ["tests/test_engine_registry.py", "tests/test_vllm_guard.py",
                                        "tests/test_regions.py", "tests/test_engine.py"]),
-    ("roundalign.numerics.families.*", ["tests/test_families.py", "tests/test_direct_mutants.py", "tests/test_patch.py"]),
-    ("roundalign.numerics.plan.*", ["tests/test_regions.py", "tests/test_patch.py", "tests/test_engine.py"]),
+    ("roundalign.numerics.families.*", ["tests/test_families.py", "tests/test_patch.py"]),
+    ("roundalign.numerics.plan.*", ["tests/test_plan.py", "tests/test_regions.py", "tests/test_patch.py",
+                                    "tests/test_engine.py"]),
     # the dose (the dose experiment): its rounding, the engine's and the trainer's placement, and training under it
     ("roundalign.numerics.mantissa.*", ["tests/test_dose.py", "tests/test_patch.py", "tests/test_engine.py"]),
     ("roundalign.numerics.dose.*", ["tests/test_dose.py", "tests/test_train.py"]),
@@ -93,8 +94,8 @@ RECHECK: list[tuple[str, list[str]]] = [
     ("roundalign.numerics.sampler.*", ["tests/test_sampler.py", "tests/test_trl_bridge.py", "tests/test_train.py"]),
     ("roundalign.numerics.x_*", ["tests/test_patch.py", "tests/test_regions.py"]),  # numerics/__init__.py
     # the two end-to-end checkpoint tests SIGKILL a `roundalign train` subprocess (it inherits the mutant)
-    ("roundalign.training.checkpoints.*", ["tests/test_direct_mutants.py", "tests/test_checkpoints.py"]),
-    ("roundalign.metrics.*", ["tests/test_metrics.py", "tests/test_direct_mutants.py"]),
+    ("roundalign.training.checkpoints.*", ["tests/test_checkpoints.py"]),
+    ("roundalign.metrics.*", ["tests/test_metrics.py"]),
 ]
 
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(n for n in alive if selection_of(n) is None)
     if unknown:
         sys.exit(f"mutation_recheck: no RECHECK row matches {unknown[0]} (and {len(unknown) - 1} more); "
-                 f"add one to RECHECK in {Path(__file__).name}")
+                 f"add one to RECHECK in tools/mutation/{Path(__file__).name}")
     results = {} if args.fresh or not OUT.exists() else json.loads(OUT.read_text())
     # a result is reused only for the same selection and the same function source (mutmut renumbers the mutants of
     # a function whose source changed)

@@ -24,9 +24,9 @@ What it does (each phase a separate process, one at a time, 1 thread; intermedia
             (attend_one) row t of a Tq=T call vs a Tq=1 call.
   analyze   compares everything, writes the report (--report).
 
-Run from /work/main:
+Run from the repository root:
   OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
-      .venv-vllm/bin/python scripts/isolate_offpolicy.py all
+      .venv-vllm/bin/python -m tools.studies.isolate_offpolicy all
 (defaults: the sweep's cpu-qwen25-tied/full/seed1 run, step 1). `all` runs capture, engine compiled, engine eager,
 trainer, micro and analyze in sequence as child processes (about 5 min on 2 shared cores); --out must not exist
 (rm -rf /tmp/isolate_offpolicy first to rerun). Other steps: --steps N --batch N-1.
@@ -45,7 +45,7 @@ from pathlib import Path
 # region kernels the sweep first ran (`--kernels eager`: TrainConfig's default then, k3 8.6e-8 at step 1; the
 # committed run, with compiled kernels, is at the floor there). The policy is the sweep's warm start (run the sweep
 # first: snakemake --cores 2 --configfile configs/vllm-cpu.yaml).
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEF_RUN = ROOT / "results/vllm-cpu/runs/cpu-qwen25-tied.vllm_cpu/full/seed1"
 DEF_MODEL = ROOT / "work/models/tiny/cpu-qwen25-tied/policy"
 ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -503,7 +503,8 @@ def main():
         for args in (["capture", "--out", a.out, "--steps", str(a.steps), "--kernels", a.kernels],
                      ["engine", "--mode", "compiled"],
                      ["engine", "--mode", "eager"], ["trainer"], ["micro"], ["analyze", "--report", a.report]):
-            subprocess.run([sys.executable, __file__, *args, *common], check=True, env={**os.environ, **ENV})
+            subprocess.run([sys.executable, "-m", "tools.studies.isolate_offpolicy", *args, *common], check=True,
+                           cwd=ROOT, env={**os.environ, **ENV})
         return
     {"capture": capture, "engine": engine, "trainer": trainer, "micro": micro, "analyze": analyze}[a.phase](a)
 

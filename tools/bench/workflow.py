@@ -1,8 +1,8 @@
 """Benchmark: wall time of Snakemake dry runs (DAG building + config validation), goal <= 5 s for the paper, and of
 `make figures` from a fresh clone, goal <= 15 s.
 
-    python scripts/bench_workflow.py --out results/bench/workflow.txt
-    python scripts/bench_workflow.py --figures-only --figures-refs 089ddb3,HEAD --out /tmp/figures.txt
+    python -m tools.bench.workflow --out results/bench/workflow.txt
+    python -m tools.bench.workflow --figures-only --figures-refs 089ddb3,HEAD --out /tmp/figures.txt
 
 Dry runs: `python -m snakemake -n` for the smoke, paper and paper+ablations configs, plus the SLURM profile dry
 run of the paper sweep, three times each; the median wall time (process start included).
@@ -33,7 +33,7 @@ from pathlib import Path
 from roundalign.envinfo import cpu_kernels
 from roundalign.io import atomic_write_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CASES = [
     ("smoke", []),
     ("paper", ["--configfile", "configs/paper.yaml"]),

