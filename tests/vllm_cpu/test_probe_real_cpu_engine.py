@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from roundalign.bridge import vllm_cpu
+from roundalign.bridge import vllm_cpu_attention
 from roundalign.models.tiny import make_tiny
 
 
@@ -50,7 +50,7 @@ def test_probe_against_the_real_eager_engine_with_its_attention_kernel(tiny_d32,
     meta = json.loads(out.with_suffix(".json").read_text())
     eng = meta["vllm_engine"]
     assert eng["device_type"] == "cpu" and eng["compilation_mode"] == "NONE" and meta["trainer_attn"] == "vllm_cpu"
-    isa = vllm_cpu.attn_isa(torch.bfloat16, vllm_cpu.DEFAULT_BLOCK_SIZE, 32)
+    isa = vllm_cpu_attention.attn_isa(torch.bfloat16, vllm_cpu_attention.DEFAULT_BLOCK_SIZE, 32)
     assert eng["kernels"]["inspected"] and eng["kernels"]["attention_backend"] == {"CPUAttentionBackendImpl": [isa]}
     # sampled tokens: vLLM decodes them through its KV cache; the sampled table exists for every variant
     sampled = pd.read_csv(out)

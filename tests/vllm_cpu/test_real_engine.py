@@ -3,7 +3,8 @@
 Reference: the engine's own teacher-forced ``prompt_logprobs`` (one prefill per request, one request per call,
 stock engine settings but ``enforce_eager`` for the eager mode), nothing of ours. The trainer is the Hugging Face
 model with ``apply_alignment(m, variant, engine="vllm-cpu-<mode>")`` and, where named, vLLM's CPU attention
-kernel as its attention (``roundalign.bridge.vllm_cpu``), so that the only difference left is where rounding happens.
+kernel as its attention (``roundalign.bridge.vllm_cpu_attention``), so that the only difference left is where rounding
+happens.
 
 Models: random Qwen2 (q/k/v biases) and Qwen3 (q/k norms), tied and untied, 2-4 layers, head_dim 32 and 64 (the
 CPU attention kernel refuses 16, our default tiny size), lognormal norm weights; sequences of 3 to 200 tokens
@@ -21,7 +22,7 @@ import torch
 
 from roundalign import apply_alignment
 
-from roundalign.bridge import vllm_cpu
+from roundalign.bridge import vllm_cpu, vllm_cpu_attention
 
 from roundalign.bridge import vllm_guard, vllm_internals
 from roundalign.envinfo import cpu_kernels
@@ -323,7 +324,7 @@ def test_guard_maps_the_cpu_platform_modes_to_the_cpu_targets(engines, mode):
 
 def test_guard_records_the_gemm_dispatch_and_attention_backend(engines):
     k = engines.get("qwen2-tied-L2-d32", "eager")["kernels"]
-    assert k["inspected"] and k["kv_block_size"] == vllm_cpu.DEFAULT_BLOCK_SIZE
+    assert k["inspected"] and k["kv_block_size"] == vllm_cpu_attention.DEFAULT_BLOCK_SIZE
     # Every linear layer (q/k/v merged, o, gate/up merged, down, the LM head) takes one path. Which one is the
     # machine's: oneDNN's prepacked GEMM where oneDNN accepts bf16 (AVX-512), the F.linear fallback where its
     # handle creation fails (seen on an AVX2-only EPYC: "Failed to create oneDNN linear, fallback to torch
@@ -335,7 +336,7 @@ def test_guard_records_the_gemm_dispatch_and_attention_backend(engines):
     layers = MODELS["qwen2-tied-L2-d32"][2]
     assert k["gemm"][path] >= 4 * layers + 1, k["gemm"]  # qkv, o, gate_up, down per layer, and the LM head
     assert list(k["attention_backend"]) == ["CPUAttentionBackendImpl"]
-    assert k["attention_backend"]["CPUAttentionBackendImpl"] == [vllm_cpu.attn_isa(torch.bfloat16, 128, 32)]
+    assert k["attention_backend"]["CPUAttentionBackendImpl"] == [vllm_cpu_attention.attn_isa(torch.bfloat16, 128, 32)]
 
 
 def test_vllm_cpu_attention_refuses_what_its_backward_cannot_take_and_names_supported_head_sizes():
@@ -343,14 +344,14 @@ def test_vllm_cpu_attention_refuses_what_its_backward_cannot_take_and_names_supp
     q = torch.randn(1, 4, 5, 32, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, 5, 32, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="sliding_window=3, softcap=None"):
-        vllm_cpu.vllm_cpu_attention(None, q, k, k, None, sliding_window=3)
+        vllm_cpu_attention.vllm_cpu_attention(None, q, k, k, None, sliding_window=3)
     with pytest.raises(ValueError, match="no dropout"):
-        vllm_cpu.vllm_cpu_attention(None, q, k, k, None, dropout=0.1)
+        vllm_cpu_attention.vllm_cpu_attention(None, q, k, k, None, dropout=0.1)
     with torch.no_grad():  # the same window is the engine's forward when nothing needs a gradient
-        out, _ = vllm_cpu.vllm_cpu_attention(None, q, k, k, None, sliding_window=3)
+        out, _ = vllm_cpu_attention.vllm_cpu_attention(None, q, k, k, None, sliding_window=3)
     assert out.shape == (1, 5, 4, 32) and out.grad_fn is None
     with pytest.raises(ValueError, match="head_dim=16.*supported: 32, 64"):
-        vllm_cpu.attend_one(torch.zeros(5, 4, 16, dtype=torch.bfloat16), torch.zeros(5, 2, 16, dtype=torch.bfloat16),
+        vllm_cpu_attention.attend_one(torch.zeros(5, 4, 16, dtype=torch.bfloat16), torch.zeros(5, 2, 16, dtype=torch.bfloat16),
                             torch.zeros(5, 2, 16, dtype=torch.bfloat16), 0.25)
 
 

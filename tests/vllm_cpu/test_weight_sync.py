@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from roundalign.bridge import vllm_cpu
+from roundalign.bridge.vllm_internals import inprocess_model
 from roundalign.models.tiny import random_qwen
 
 VOCAB = 256
@@ -47,7 +48,7 @@ def test_in_place_sync_equals_a_fresh_engine_after_every_step(tmp_path, mode):
     live = _engine(tmp_path / "step0", mode)
     kernels = vllm_cpu.engine_kernels(live)
     assert set(kernels["gemm"]) == {vllm_cpu.LIVE_GEMM}, kernels["gemm"]
-    vmodel = vllm_cpu.inprocess_model(live)
+    vmodel = inprocess_model(live)
     before = _logps(live, seqs)
     synced = []
     for step in (1, 2, 3):

@@ -267,9 +267,9 @@ def _bootstrap_ratio(num: list[float], den: list[float], n: int = 2000, seed: in
 def main_vllm(args) -> int:
     """GRPO step time against the real engine, arms of ``VLLM_ARMS`` in rotated order, on the two ``VLLM_MODELS``;
     then one profiled run per arm for the breakdown."""
-    from roundalign.bridge import vllm_cpu
+    from roundalign.bridge import vllm_cpu, vllm_cpu_attention
 
-    if not vllm_cpu.available():
+    if not vllm_cpu_attention.available():
         raise SystemExit("tools.bench.train --backend vllm: vLLM's CPU build is not importable here; run it with "
                          ".venv-vllm/bin/python (make vllm-env)")
     import os

@@ -94,9 +94,9 @@ def main():
 
     from roundalign import apply_alignment
 
-    from roundalign.bridge import vllm_cpu
+    from roundalign.bridge import vllm_cpu_attention
 
-    vllm_cpu.register()  # the vllm_cpu attention function
+    vllm_cpu_attention.register()  # the vllm_cpu attention function
     from roundalign.io import atomic_write_csv, atomic_write_json, atomic_write_text
     from roundalign.numerics.plan import cpu_kernel_build
     from roundalign.models.tiny import random_qwen

@@ -311,7 +311,7 @@ def micro(a):
     import torch
     import torch.nn.functional as F
 
-    import roundalign.bridge.vllm_cpu as VC
+    import roundalign.bridge.vllm_cpu_attention as VC
     from safetensors.torch import load_file
 
     torch.set_num_threads(1)

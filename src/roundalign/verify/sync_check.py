@@ -113,7 +113,7 @@ def train_with_sync_probe(cfg, out: str | Path, seqs: list[list[int]], log=print
             super().__init__(*a, **kw)
             probe.trainer = self
 
-    trl_bridge.RoundalignGRPOTrainer = Trainer  # train.py imports the name when it builds the trainer
+    trl_bridge.RoundalignGRPOTrainer = Trainer  # train.py reads the name off trl_bridge when it builds the trainer
     try:
         res = run_train(cfg, out / "run", callbacks=[probe], log=log)
     finally:
