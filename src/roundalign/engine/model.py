@@ -20,6 +20,10 @@ What it emulates (and what it does not):
   kernels, e.g. FlashAttention varlen vs. paged decode); by default it is ``attn``.
 - LM head: ``lm_head_fp32`` computes the logits as an fp32 GEMM of the fp32-cast hidden state and fp32 head
   weight (MiniMax-M1's fp32 LM head; the trainer side is TRL's ``cast_lm_head_to_fp32``).
+- MoE (Qwen3-MoE): the block runs as vLLM-CPU runs it (``numerics.moe.moe_forward``: its router for the engine mode,
+  its fused expert kernel's roundings for the ISA it picks on this CPU) when the engine's regions include SwiGLU
+  (``full``, ``swiglu``), else as transformers does (``moe.hf_moe_forward``); in the compiled engine's one graph it
+  is an opaque op, as vLLM-CPU's C++ expert kernel is. Only the vLLM-CPU modes have an MoE map.
 - Not emulated: paged KV blocks, CUDA graphs, FlashAttention/FlashInfer kernels, tensor parallelism.
 
 The engine owns a copy of the weights (``sync_weights`` re-copies them from a training model), so a
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from roundalign.numerics import mantissa as dose, regions, vllm_native
+from roundalign.numerics import mantissa as dose, moe as moe_numerics, regions, vllm_native
 from roundalign.numerics.patch import decoder_trunk, engine_rotary
 from roundalign.numerics.engines import spec as engine_spec
 from roundalign.numerics.plan import RoundingPlan, engine_plan, plan_for
@@ -67,6 +71,36 @@ class _Layer:
     w_down: Tensor
     ln1: Tensor
     ln2: Tensor
+    # an MoE layer's (top_k, norm_topk_prob); w_gate is then its router weight (E, H), w_up the experts' gate_up
+    # (E, 2I, H) and w_down their down projection (E, H, I)
+    moe: tuple | None = None
+
+
+@torch.library.custom_op("roundalign::engine_moe", mutates_args=())
+def _engine_moe(x: Tensor, router_w: Tensor, w13: Tensor, w2: Tensor, top_k: int, norm_topk_prob: bool, router: str,
+                isa: str) -> Tensor:
+    """An MoE block on (N, H) hidden states: the engine's (``router`` bf16/fp32) or transformers' (``router="hf"``)."""
+    if router == "hf":
+        return moe_numerics.hf_moe_forward(x, router_w, w13, w2, top_k, norm_topk_prob)
+    return moe_numerics.moe_forward(x, router_w, w13, w2, top_k, norm_topk_prob, router, isa)
+
+
+@_engine_moe.register_fake
+def _(x, router_w, w13, w2, top_k, norm_topk_prob, router, isa):
+    return torch.empty_like(x)
+
+
+class _MoeSpec(compiled._Spec):
+    """The one-graph engine's pieces with the MoE block of a layer whose experts' weights (3-D) it is handed: an
+    opaque op (vLLM-CPU's expert kernel is C++; its router, Inductor's fused fp32 softmax, is emulated inside)."""
+
+    def tail(self, attn, residual, wo, ln2, wg, wu, wd):
+        if wu.dim() != 3:
+            return super().tail(attn, residual, wo, ln2, wg, wu, wd)
+        x = self.linear(attn, wo)
+        x, residual = self.add_norm(x, residual, ln2)
+        top_k, norm_topk_prob, router, isa = self.moe
+        return torch.ops.roundalign.engine_moe(x, wg, wu, wd, top_k, norm_topk_prob, router, isa), residual
 
 
 _FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
@@ -129,12 +163,13 @@ class EngineModel:
         kv_cache_dtype: the KV cache's storage, vLLM's names (``KV_CACHE_DTYPES``); ``new_cache()`` makes one.
         dose_bits: a rounding dose at the aligned regions (``numerics.dose``): every RMSNorm output, the RoPE'd q/k
             and the SwiGLU output rounded to this many mantissa bits; 7 (bf16) is none. Eager engines only.
+        moe_isa: Qwen3-MoE: the expert kernel emulated (``numerics.moe.ISAS``); None: the one vLLM-CPU picks here.
     """
 
     def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
                  splitk_chunk: int = 64, norm_reduction: str | None = None, regions: str = "full",
                  attn_decode: str | None = None, lm_head_fp32: bool = False, kv_cache_dtype: str = "auto",
-                 dose_bits: int = dose.NO_DOSE):
+                 dose_bits: int = dose.NO_DOSE, moe_isa: str | None = None):
         self.dose_bits = dose.check_dose_bits(dose_bits, engine)
         self.kv_cache_dtype = check_choice("KV-cache dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         self.plan: RoundingPlan = engine_plan(engine) if regions == "full" else plan_for(engine, regions)
@@ -161,6 +196,7 @@ class EngineModel:
         self.rotary_emb = engine_rotary(trunk.rotary_emb)  # stateless apart from inv_freq: vLLM's cos/sin tables
         self.layers: list[_Layer] = []
         self.sync_weights(model)
+        self.moe = self._moe_setting(moe_isa)
         self.spec = None
         self.attention_handle = None
         if engine_spec(engine).compiled:
@@ -174,8 +210,35 @@ class EngineModel:
                                            norm_reduction=self.norm_reduction, eps=self.eps, head_dim=self.head_dim,
                                            qk_norm=self.layers[0].q_norm is not None,
                                            whole=engine_spec(engine).one_graph)
+            if self.moe is not None:
+                self.spec.__class__ = _MoeSpec
+                self.spec.moe = self.moe
+                self.spec.key = (*self.spec.key, ("moe", *self.moe))
             if engine_spec(engine).one_graph:
                 self.attention_handle = compiled.register_attention_owner(self)
+
+    def _moe_setting(self, moe_isa: str | None) -> tuple | None:
+        """``(top_k, norm_topk_prob, router, isa)`` of this model's MoE layers (router ``hf``: transformers' block,
+        for the engines whose regions leave SwiGLU stock), or None for a dense model."""
+        moe_layers = [L.moe for L in self.layers if L.moe is not None]
+        if not moe_layers:
+            return None
+        if self.engine not in moe_numerics.ROUTER:
+            raise ValueError(f"the emulated engine runs an MoE block for {', '.join(moe_numerics.ROUTER)} only; "
+                             f"{self.engine!r} has no MoE map (docs/numerics.md, Qwen3-MoE)")
+        if self.dose_bits != dose.NO_DOSE:
+            raise ValueError("the rounding dose is not defined for an MoE model's expert kernel")
+        top_k, norm = moe_layers[0]
+        if self.regions not in moe_numerics.MOE_VARIANTS or self.dtype != torch.bfloat16:
+            return top_k, norm, "hf", "vec"
+        isa = moe_numerics.engine_isa() if moe_isa is None else moe_isa
+        moe_numerics.check_block(self.config, isa)
+        return top_k, norm, moe_numerics.ROUTER[self.engine], isa
+
+    def _moe_block(self, x: Tensor, L: _Layer) -> Tensor:
+        top_k, norm, router, isa = self.moe
+        flat = x.reshape(-1, x.shape[-1])
+        return _engine_moe(flat, L.w_gate, L.w_up, L.w_down, top_k, norm, router, isa).view(x.shape)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of this engine's layer count and storage dtype."""
@@ -197,13 +260,18 @@ class EngineModel:
         self.layers = []
         for layer in trunk.layers:
             a, m = layer.self_attn, layer.mlp
+            if hasattr(m, "experts"):  # an MoE block (Qwen3-MoE): router weight, the experts' fused 3-D weights
+                mlp = dict(w_gate=clone(m.gate.weight), w_up=clone(m.experts.gate_up_proj),
+                           w_down=clone(m.experts.down_proj), moe=(int(m.gate.top_k), bool(m.gate.norm_topk_prob)))
+            else:
+                mlp = dict(w_gate=clone(m.gate_proj.weight), w_up=clone(m.up_proj.weight),
+                           w_down=clone(m.down_proj.weight))
             self.layers.append(_Layer(
                 wq=clone(a.q_proj.weight), bq=clone(a.q_proj.bias), wk=clone(a.k_proj.weight), bk=clone(a.k_proj.bias),
                 wv=clone(a.v_proj.weight), bv=clone(a.v_proj.bias), wo=clone(a.o_proj.weight),
                 q_norm=clone(a.q_norm.weight) if hasattr(a, "q_norm") else None,
                 k_norm=clone(a.k_norm.weight) if hasattr(a, "k_norm") else None,
-                w_gate=clone(m.gate_proj.weight), w_up=clone(m.up_proj.weight), w_down=clone(m.down_proj.weight),
-                ln1=clone(layer.input_layernorm.weight), ln2=clone(layer.post_attention_layernorm.weight)))
+                ln1=clone(layer.input_layernorm.weight), ln2=clone(layer.post_attention_layernorm.weight), **mlp))
 
     # -- building blocks ------------------------------------------------------------------------
 
@@ -255,12 +323,13 @@ class EngineModel:
         # a decode step is one new token per sequence against a non-empty cache; prefill keeps ``attn``
         impl = self.attn_decode if q.shape[2] == 1 and k.shape[2] > 1 else self.attn
         if impl == "vllm_cpu":
-            # vLLM's own CPU kernel, one request per sequence (roundalign.bridge.vllm_cpu), on the un-repeated K/V heads
-            from roundalign.bridge import vllm_cpu
+            # vLLM's own CPU kernel, one request per sequence (roundalign.bridge.vllm_cpu_attention), on the un-repeated
+            # K/V heads; imported here, as only this attention needs vLLM's CPU build
+            from roundalign.bridge.vllm_cpu_attention import attend_one
 
             k, v = k[:, ::rep], v[:, ::rep]
-            out = torch.stack([vllm_cpu.attend_one(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),
-                                                   self.scaling) for b in range(q.shape[0])])
+            out = torch.stack([attend_one(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),
+                                          self.scaling) for b in range(q.shape[0])])
             return out.reshape(q.shape[0], q.shape[2], -1)
         if impl == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=self.scaling)
@@ -318,9 +387,12 @@ class EngineModel:
             k, v = cache.append(i, k, v)
             x = self._linear(self._attention(q, k, v, causal=True), L.wo)
             x, residual = self._norm(x, L.ln2, residual)
-            gate, up = self._linear(x, L.w_gate), self._linear(x, L.w_up)
-            act = regions.swiglu_fused(gate, up) if self.plan.swiglu == "fused" else regions.swiglu_hf(gate, up)
-            h = self._linear(self._dose(act), L.w_down)
+            if L.moe is not None:
+                h = self._moe_block(x, L)
+            else:
+                gate, up = self._linear(x, L.w_gate), self._linear(x, L.w_up)
+                act = regions.swiglu_fused(gate, up) if self.plan.swiglu == "fused" else regions.swiglu_hf(gate, up)
+                h = self._linear(self._dose(act), L.w_down)
             if layer_states is not None:
                 layer_states.append((residual.float() + h.float()).to(self.dtype))
         x, _ = self._norm(h, self.final_norm, residual)

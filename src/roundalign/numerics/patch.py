@@ -76,6 +76,7 @@ import torch
 from torch import nn
 
 from roundalign.numerics import mantissa
+from roundalign.numerics import moe
 from roundalign.numerics import regions
 from roundalign.numerics.engines import spec
 from roundalign.numerics.families import FAMILIES, family_of_class, not_aligned_yet, rope_type, supported_model_classes
@@ -88,6 +89,7 @@ _KERNELS_ATTR = "_roundalign_kernels"  # regions.region_kernels(mode) namespace 
 _OWN_CONFIG_ATTR = "_roundalign_own_config"  # the config copy apply_alignment made for this model
 _SUM_ORDER_ATTR = "_roundalign_sum_order"  # (vec, n) on an aligned RMSNorm: its engine kernel's reduction order
 _DOSE_ATTR = mantissa.ROPE_DOSE_ATTR  # bits of a rounding dose on an aligned attention's RoPE output (dose.apply_dose)
+_MOE_ATTR = "_roundalign_moe"  # (router, isa) on an aligned MoE block (numerics/moe.py)
 
 
 _warned_compile_options = False
@@ -273,6 +275,17 @@ class _AlignedMLP:
         return self.down_proj(_kernels(self).swiglu_fused(self.gate_proj(x), self.up_proj(x)))
 
 
+class _AlignedMoeBlock:
+    def forward(self, hidden_states):
+        """The MoE block as vLLM-CPU computes it (``numerics.moe.moe_forward``): its router's top-k weights (bf16 or
+        fp32 per engine mode) and its fused expert kernel's roundings, on the block's own parameters."""
+        router, isa = getattr(self, _MOE_ATTR)
+        batch, seq, hidden = hidden_states.shape
+        out = moe.moe_forward(hidden_states.reshape(-1, hidden), self.gate.weight, self.experts.gate_up_proj,
+                              self.experts.down_proj, self.gate.top_k, self.gate.norm_topk_prob, router, isa)
+        return out.reshape(batch, seq, hidden)
+
+
 def _qk_norm_rope(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   plan: RoundingPlan, K) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: (B, T, H, D) straight from the projections -> (B, H, T, D) after [q/k norm and] RoPE.
@@ -378,7 +391,8 @@ def _define_aligned_classes() -> None:
         mod, prefix = importlib.import_module(family.module), family.prefix
         for suffix, mixin in (("RMSNorm", _AlignedRMSNorm), ("DecoderLayer", _AlignedDecoderLayer),
                               ("MLP", _AlignedMLP), ("Attention", _AlignedAttention),
-                              ("RotaryEmbedding", _AlignedRotaryEmbedding)):
+                              ("RotaryEmbedding", _AlignedRotaryEmbedding),
+                              *((("SparseMoeBlock", _AlignedMoeBlock),) if family.moe else ())):
             stock = getattr(mod, prefix + suffix)
             name = prefix + suffix
             cls = type(name, (mixin, stock), {"__module__": __name__, "__qualname__": name,
@@ -411,7 +425,8 @@ def _install(module: nn.Module, plan: RoundingPlan, kernels: str, **extra) -> No
 
 def _uninstall(module: nn.Module) -> None:
     module.__class__ = _stock_class(module)
-    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32", SLOT_ATTR, _SUM_ORDER_ATTR, _DOSE_ATTR):
+    for attr in (_PLAN_ATTR, _KERNELS_ATTR, "_roundalign_keep_fp32", SLOT_ATTR, _SUM_ORDER_ATTR, _DOSE_ATTR,
+                 _MOE_ATTR):
         module.__dict__.pop(attr, None)
 
 
@@ -458,8 +473,31 @@ def _set_sum_orders(model: nn.Module, variant: str, engine: str, orders) -> list
     return [list(o) for o in orders]
 
 
+def _moe_setting(model: nn.Module, trunk: nn.Module, variant: str, engine: str, moe_isa: str | None):
+    """``(router, isa)`` for the MoE blocks of an MoE family's model under ``variant``, or None (stock blocks).
+    Raises ValueError (one line) for an engine without a measured MoE map, or an fp16 model."""
+    family = family_of_class(type(model).__name__)
+    if not family.moe or variant == "baseline":
+        return None
+    if engine not in moe.ROUTER:
+        raise ValueError(f"{type(model).__name__}: the MoE block's rounding is measured against "
+                         f"{', '.join(moe.ROUTER)} only; {engine!r} has no MoE map (docs/numerics.md, Qwen3-MoE)")
+    dtype = trunk.norm.weight.dtype
+    if dtype == torch.float16:
+        raise ValueError(f"{type(model).__name__}: the MoE alignment is measured for bf16 models (vLLM-CPU's AMX "
+                         "expert kernel takes bf16 only); this model is fp16")
+    if variant not in moe.MOE_VARIANTS or dtype != torch.bfloat16:  # fp32: a bitwise no-op, as every region
+        return None
+    isa = moe.engine_isa() if moe_isa is None else moe_isa
+    moe.check_block(trunk.config, isa)
+    if not trunk.config.norm_topk_prob and moe.ROUTER[engine] == "fp32":
+        raise ValueError(f"{type(model).__name__} with norm_topk_prob=False: {engine!r}'s router is measured for "
+                         "norm_topk_prob=True only")
+    return moe.ROUTER[engine], isa
+
+
 def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled", kernels: str | None = None,
-                    norm_sum_orders=None) -> nn.Module:
+                    norm_sum_orders=None, moe_isa: str | None = None) -> nn.Module:
     """Make ``model`` round like ``engine`` in the regions ``variant`` selects; in place, returns ``model``.
 
     Args:
@@ -489,6 +527,10 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
             from what the kernel fuses (16 or 32 lanes on AVX-512), so a norm compiled alone can sum in another
             order and miss tokens; with these orders the norms reduce as the engine's kernels do, in both kernel
             modes (``regions.sum_sq_in_order``). None: each norm reduces as its own kernel does.
+        moe_isa: Qwen3-MoE only: the engine's expert kernel, ``vec`` or ``amx`` (``numerics.moe``); None: the one
+            vLLM-CPU picks on this CPU (``moe.engine_isa``). The MoE block is aligned under ``swiglu`` and ``full``
+            (the SwiGLU region owns the expert MLP, and the router that weights it), against vLLM-CPU's engines
+            only: any other engine is refused for an MoE model (no measured map).
 
     Re-applying replaces the previous alignment (applying the same variant twice is the same as
     once) and removes a rounding dose (``numerics.dose.apply_dose``: apply it again after). Only this instance changes; the transformers classes are not touched. The alignment is
@@ -503,6 +545,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
     if act != "silu":
         raise ValueError(f"roundalign aligns SwiGLU MLPs (hidden_act='silu'); this model has hidden_act={act!r}")
     plan = plan_for(engine, variant)
+    moe_setting = _moe_setting(model, trunk, variant, engine, moe_isa)
     mantissa.clear_dose(model)  # a dose belongs to the alignment it was applied on (dose.apply_dose)
     slot = {"out": None, "lo": None}  # the carrier of the residual sum's low part from a layer to the next
 
@@ -521,7 +564,10 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
                 _install(m, plan, kernels, _roundalign_keep_fp32=plan.qk_norm_rope == "fused")
         if plan.rope != "hf":
             _install(attn, plan, kernels)
-        if plan.swiglu == "fused":
+        if _stock_class(layer.mlp).__name__.endswith("SparseMoeBlock"):
+            if moe_setting is not None:
+                _install(layer.mlp, plan, kernels, **{_MOE_ATTR: moe_setting})
+        elif plan.swiglu == "fused":
             _install(layer.mlp, plan, kernels)
     _uninstall(trunk.rotary_emb)
     if plan.rope != "hf":
@@ -547,7 +593,8 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
         own.__dict__.pop("roundalign", None)
     else:
         own.roundalign = {"variant": variant, "engine": engine, "kernels": kernels,
-                          **({"norm_sum_orders": orders} if orders else {})}
+                          **({"norm_sum_orders": orders} if orders else {}),
+                          **({"moe_isa": moe_setting[1]} if moe_setting else {})}
     return model
 
 
