@@ -124,7 +124,7 @@ def test_absent_sources_are_named_with_the_reason(model_dir, tmp_path):
 @pytest.mark.parametrize("args,culprit", [
     (["--backend", "emulated", "--engine", "vllm-turbo"], "vllm-turbo"),
     (["--backend", "emulated", "--sources", "rounding,magic"], "magic"),
-    (["--backend", "emulated", "--top-p", "0.9"], "top-p"),
+    (["--backend", "emulated", "--top-p", "0.9"], "top_p=0.9 is not used"),
     (["--backend", "gpu"], "gpu"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, args, culprit):

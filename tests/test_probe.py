@@ -67,7 +67,7 @@ def test_splitk_engine_leaves_a_residual_that_full_does_not_remove(tiny_models, 
 def test_bad_input_fails_before_loading(tiny_models, tmp_path, capsys):
     out = tmp_path / "x.csv"
     assert main(["probe", "--model", str(tiny_models["qwen2"]), "--variants", "baseline,ropee", "--out", str(out)]) == 2
-    assert "unknown alignment variant 'ropee'" in capsys.readouterr().err
+    assert "variants: 'ropee' is not valid; choose from: baseline, rope, swiglu, norm, full" in capsys.readouterr().err
     assert main(["probe", "--model", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "nope" in capsys.readouterr().err
     assert main(["probe", "--model", str(tiny_models["qwen2"]), "--engine", "sglang", "--out", str(out)]) == 2

@@ -1,6 +1,6 @@
 """The package's import graph has no circle: every module-level and function-level import between roundalign's
 modules, read from the source (``from pkg import mod`` counts as an import of ``pkg.mod``, not of the package it
-sits in, whose ``__init__`` runs first either way), and the role packages import only downwards. probe.py and probe_gpu.py used to import each other."""
+sits in, whose ``__init__`` runs first either way), and the role packages import only downwards."""
 
 import ast
 from pathlib import Path
@@ -83,7 +83,7 @@ FLOORS = {
     "numerics": 1,
     "roundalign": 2, "bridge": 2,
     "engine": 3,
-    "models": 4,
+    "models": 4, "settings": 4,
     "training": 5,
     "probes": 6, "analysis": 6, "verify": 6,  # a probe scores as training does (trl_bridge)
     "cli": 7,

@@ -124,10 +124,11 @@ def train_settings_epilog(width: int | None = None) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from roundalign.engine import ENGINE_GEMMS
-    from roundalign.engine.choices import ENGINE_ATTN_IMPLS
-    from roundalign.numerics import ENGINES, VARIANTS
+    # the command verbs' modules import torch: ~3 s that the figure verbs' parser (above) does without
     from roundalign.models.tiny import ARCHS
+    from roundalign.probes.attribute import AttributeConfig
+    from roundalign.probes.probe import ProbeConfig
+    from roundalign.settings import add_argument, add_arguments
 
     p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,93 +150,16 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
 
     pr = sub.add_parser("probe", help="offline train-vs-engine mismatch probe at identical weights")
-    pr.add_argument("--model", required=True, help="model directory (or a cached hub id)")
-    pr.add_argument("--engine", default="vllm-compiled", help=f"engine rounding: {', '.join(ENGINES)}")
-    pr.add_argument("--attn", default="eager",
-                    help=f"attention of the emulated engine and the trainer: {', '.join(ENGINE_ATTN_IMPLS)} (vllm_cpu: "
-                         "vLLM's CPU kernel, needs its CPU build) (default eager)")
-    pr.add_argument("--trainer-attn", default=None,
-                    help="backend vllm: the trainer's attention when it rescores the real engine's tokens (default: "
-                         "--attn); vllm_cpu makes the attention kernel equal, leaving only where rounding happens")
-    pr.add_argument("--engine-gemm", default="same", help=f"engine GEMMs: {', '.join(ENGINE_GEMMS)}")
-    pr.add_argument("--splitk-chunk", type=int, default=64, help="K-chunk of the splitk GEMM (partials stored in bf16), elements (default 64)")
-    pr.add_argument("--norm-reduction", default="opaque",
-                    help="the emulated compiled engine's RMSNorm mean reduction (both backends: --backend vllm "
-                         "compares the real engine with an emulated one too): opaque (the trainer's eager kernel, "
-                         "default) or inductor (Inductor's own summation order)")
-    pr.add_argument("--kv-cache-dtype", default="auto",
-                    help="emulated engine's KV-cache storage, vLLM's names: auto (model dtype, default), fp8_e4m3, "
-                         "fp8_e5m2 (quantized with scale 1.0)")
-    pr.add_argument("--dose-bits", type=int, default=7,
-                    help="emulated eager engines: a rounding dose at the aligned regions, the mantissa bits they keep "
-                         "(7 = bf16, no dose; roundalign.numerics.dose); each variant rounds the regions it aligns "
-                         "the same way")
-    pr.add_argument("--variants", type=_csv_list, default=VARIANTS,
-                    help=f"comma-separated trainer variants (default all: {','.join(VARIANTS)})")
-    pr.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
-    pr.add_argument("--max-new-tokens", type=int, default=16, help="completion cap, tokens (default 16)")
-    pr.add_argument("--context-tokens", type=int, default=0,
-                    help="random filler tokens before each prompt, to probe at far positions (default 0)")
-    pr.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    pr.add_argument("--dtype", default="bf16", help="model dtype: bf16, fp16, fp32 (default bf16)")
-    pr.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default 0)")
+    add_arguments(pr, ProbeConfig)
     pr.add_argument("--out", required=True, help="output CSV; <stem>_layers.csv and <stem>.json go beside it")
-    pr.add_argument("--backend", default="emulated", choices=("emulated", "vllm"),
-                    help="emulated: the emulated engine samples, all on CPU (tiny models); vllm: real vLLM samples "
-                         "in --engine mode and the trainer rescores on --device (paper scale; also writes "
-                         "<stem>_emulated.csv, the emulated engine on the same device) (default emulated)")
-    pr.add_argument("--device", default="cuda",
-                    help="torch device of the vllm backend's trainer (default cuda; vllm-cpu-* engines: cpu)")
-    pr.add_argument("--gpu-memory-utilization", type=float, default=0.45,
-                    help="fraction of GPU memory vLLM may take while it samples (vllm backend; default 0.45)")
+    add_argument(pr, "backend", default="emulated")
+    add_argument(pr, "device")
+    add_argument(pr, "vllm_gpu_memory_utilization", dest="gpu_memory_utilization", default=PROBE_GPU_MEMORY)
 
     at = sub.add_parser("attribute", help="where the train-vs-engine mismatch comes from: sources equalized one by "
                         "one at identical weights (attribution.csv, attribution.json, waterfall.png)")
-    from roundalign.probes import attribute as A
-
-    at.add_argument("--model", required=True, help="model directory (or a cached hub id)")
-    at.add_argument("--engine", default="vllm-cpu-eager", help=f"engine mode (and the rounding 'rounding' aligns to): "
-                    f"{', '.join(ENGINES)} (default vllm-cpu-eager)")
-    at.add_argument("--backend", default="vllm", choices=A.BACKENDS,
-                    help="vllm: real vLLM samples (its CPU build for vllm-cpu-*, CUDA vLLM on a GPU); emulated: the "
-                         "emulated engine (default vllm)")
+    add_arguments(at, AttributeConfig)
     at.add_argument("--out", required=True, help="output directory")
-    at.add_argument("--prompts", type=int, default=16, help="number of prompts, one completion each (default 16)")
-    at.add_argument("--max-new-tokens", type=int, default=24, help="completion cap, tokens (default 24)")
-    at.add_argument("--context-tokens", type=int, default=0,
-                    help="random filler tokens before each prompt, to measure at far positions (default 0)")
-    at.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    at.add_argument("--top-p", type=float, default=1.0, help="vLLM's top-p (default 1.0 = off)")
-    at.add_argument("--top-k", type=int, default=0, help="vLLM's top-k (default 0 = off)")
-    at.add_argument("--logprobs-mode", default="processed_logprobs", choices=A.LOGPROBS_MODES,
-                    help="what vLLM returns for the sampled tokens (default processed_logprobs, as TRL asks for)")
-    at.add_argument("--micro-batch", type=int, default=4,
-                    help="the trainer's micro-batch for the batching source: sequences scored together, padded "
-                         "(TRL's per_device_train_batch_size; default 4)")
-    at.add_argument("--trainer-attn", default="sdpa", choices=A.TRAINER_ATTNS,
-                    help="the trainer's own attention before the attention source is equalized (default sdpa)")
-    at.add_argument("--engine-attn", default="eager",
-                    help=f"emulated engine's attention: {', '.join(ENGINE_ATTN_IMPLS)} (default eager; real vLLM-CPU "
-                         "runs its own kernel)")
-    at.add_argument("--engine-attn-decode", default=None,
-                    help="emulated engine's attention of decode steps (default: --engine-attn)")
-    at.add_argument("--trainer-lm-head-fp32", action="store_true",
-                    help="the trainer computes its LM head in fp32 (TRL's cast_lm_head_to_fp32) before the lm_head "
-                         "source is equalized")
-    at.add_argument("--engine-lm-head-fp32", action="store_true",
-                    help="the emulated engine computes its LM head in fp32 (real vLLM 0.31.0 has no such option)")
-    at.add_argument("--engine-gemm", default=None,
-                    help=f"vllm: {', '.join(A.VLLM_GEMMS)} (vLLM-CPU's own prepacked GEMM, default; or F.linear on "
-                         f"live weights, as training runs it); emulated: {', '.join(ENGINE_GEMMS)} (default same)")
-    at.add_argument("--splitk-chunk", type=int, default=64, help="emulated splitk GEMM's K-chunk, elements (default 64)")
-    at.add_argument("--kv-cache-dtype", default="auto",
-                    help="emulated engine's KV-cache storage: auto (default), fp8_e4m3, fp8_e5m2")
-    at.add_argument("--sources", type=_csv_list, default=A.SOURCES,
-                    help=f"comma-separated sources to equalize, in this order: {','.join(A.SOURCES)} (default all "
-                         "the backend has)")
-    at.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples over prompts (default 1000)")
-    at.add_argument("--dtype", default="bf16", help="model dtype: bf16, fp16, fp32 (default bf16)")
-    at.add_argument("--seed", type=int, default=0, help="prompt and sampling seed (default 0)")
 
     tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)",
                         epilog=train_settings_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -321,18 +245,24 @@ def run_make_tiny(args) -> None:
     print(f"[make-tiny] wrote {out}")
 
 
-def run_probe_cli(args) -> None:
-    from roundalign.probes.probe import ProbeConfig, run_probe
+# the share of GPU memory a probe's vLLM may take while it samples (training's colocated engine takes less)
+PROBE_GPU_MEMORY = 0.45
 
-    cfg = ProbeConfig(model=args.model, engine=args.engine, attn=args.attn, engine_gemm=args.engine_gemm,
-                      variants=args.variants, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      seed=args.seed, temperature=args.temperature, context_tokens=args.context_tokens,
-                      splitk_chunk=args.splitk_chunk, norm_reduction=args.norm_reduction,
-                      kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, trainer_attn=args.trainer_attn,
-                      dose_bits=args.dose_bits)
+
+def run_probe_cli(args) -> None:
+    from roundalign.numerics.engines import is_cpu
+    from roundalign.probes.probe import ProbeConfig, run_probe
+    from roundalign.settings import SettingError, from_args
+
+    cfg = from_args(ProbeConfig, args)
+    if args.backend == "emulated" and (args.device is not None or args.gpu_memory_utilization != PROBE_GPU_MEMORY):
+        raise SettingError("--device and --gpu-memory-utilization are the vllm backend's (where real vLLM samples); "
+                           "the emulated backend runs on the CPU")
+    if args.backend == "vllm" and is_cpu(cfg.engine) and args.device not in (None, "cpu"):
+        raise SettingError(f"--device {args.device}: engine {cfg.engine} is vLLM's CPU build, and the trainer "
+                           "rescores on the CPU too (leave --device out, or give cpu)")
     _setup_runtime()
     if args.backend == "vllm":
-        from roundalign.numerics.engines import is_cpu
         from roundalign.probes.probe_real import run_probe_real
 
         if is_cpu(cfg.engine):
@@ -343,23 +273,17 @@ def run_probe_cli(args) -> None:
 
             small_kv_cache()
 
-        run_probe_real(cfg, args.out, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)
+        run_probe_real(cfg, args.out, device=args.device or ("cpu" if is_cpu(cfg.engine) else "cuda"),
+                       gpu_memory_utilization=args.gpu_memory_utilization)
     else:
         run_probe(cfg, args.out)
 
 
 def run_attribute_cli(args) -> None:
     from roundalign.probes.attribute import AttributeConfig, run_attribute
+    from roundalign.settings import from_args
 
-    cfg = AttributeConfig(model=args.model, engine=args.engine, backend=args.backend, num_prompts=args.prompts,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, logprobs_mode=args.logprobs_mode,
-                          micro_batch=args.micro_batch, context_tokens=args.context_tokens,
-                          trainer_attn=args.trainer_attn, engine_attn=args.engine_attn,
-                          engine_attn_decode=args.engine_attn_decode, trainer_lm_head_fp32=args.trainer_lm_head_fp32,
-                          engine_lm_head_fp32=args.engine_lm_head_fp32, engine_gemm=args.engine_gemm,
-                          splitk_chunk=args.splitk_chunk, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
-                          num_resamples=args.resamples, sources=tuple(args.sources))
+    cfg = from_args(AttributeConfig, args)
     _setup_runtime()
     from roundalign.numerics.engines import is_cpu
 

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import yaml
 
+from roundalign.probes.attribute import AttributeConfig
+from roundalign.probes.probe import ProbeConfig
+from roundalign.settings import settings_of
 from roundalign.training.config import (TrainConfig, setting_choices, setting_default, setting_help,
                                         setting_type, show_value)
 from roundalign.training.sweep import _PER_RUN_KEYS
@@ -135,7 +138,7 @@ def render_docs() -> str:
     return "\n".join([
         "# Train settings",
         "",
-        "<!-- Written by tools/docs_gen/settings.py from the field help of roundalign.training.config.TrainConfig: "
+        "<!-- Written by tools/docs_gen/settings.py from the settings tree (roundalign.settings): "
         "edit the help there and rerun the script (tests/test_settings.py checks this file). -->",
         "",
         "Every key of a `roundalign train --config` YAML file and of `--set KEY=VALUE`, and, except `model`, "
@@ -146,7 +149,24 @@ def render_docs() -> str:
         "| --- | --- | --- | --- |",
         *rows,
         "",
+        *command_table("probe", ProbeConfig, "roundalign probe"),
+        *command_table("attribute", AttributeConfig, "roundalign attribute"),
     ])
+
+
+def command_table(name: str, cls, command: str) -> list[str]:
+    """The settings of a command that are fields of ``cls``: flag, the tree's key, type, the command's default,
+    help (the tree's, the same text ``train`` shows for a shared key)."""
+    rows = []
+    for f, s in settings_of(cls):
+        flag = "--" + (f.metadata.get("flag") or f.name.replace("_", "-"))
+        narrowed = f.metadata.get("choices")
+        text = s.help + (f" This command takes {', '.join(narrowed)}." if narrowed else "")
+        rows.append(f"| `{flag}` | `{s.key}` | {_type_name(s.key)} | {_show(f.default)} | {_cell(text)} |")
+    return [f"## {command}", "",
+            f"The flags of `{command}` that are settings of the tree (roundalign.settings); `{command} --help` shows "
+            "the same help. A key shared with train has train's help and this command's default.", "",
+            "| flag | setting | type | default | help |", "| --- | --- | --- | --- | --- |", *rows, ""]
 
 
 def _schema_props(schema: dict) -> dict[str, dict]:

@@ -1,7 +1,7 @@
 """The emulated engine's option names, importable without torch (the sweep's config checks read them on every
 Snakemake invocation; ``roundalign.engine`` itself imports torch and transformers)."""
 
-# vllm_cpu: vLLM's own CPU attention kernel (roundalign.bridge.vllm_cpu; needs vLLM's CPU build): in the emulated engine,
+# vllm_cpu: vLLM's own CPU attention kernel (roundalign.bridge.vllm_cpu_attention; needs vLLM's CPU build): in the emulated engine,
 # the probe's trainer side and training, where it runs as the engine's forward with SDPA's gradient
 ENGINE_ATTN_IMPLS = ("eager", "sdpa", "vllm_cpu")
 # vllm_flash: vLLM's own CUDA FlashAttention call (roundalign.bridge.vllm_flash; needs vLLM's CUDA build and a GPU), the

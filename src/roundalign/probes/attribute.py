@@ -64,93 +64,63 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from roundalign.engine.choices import ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES
+from roundalign.engine.choices import ENGINE_ATTN_IMPLS, ENGINE_GEMMS
+from roundalign.engine.model import check_choice
+from roundalign.numerics.engines import is_cpu
+from roundalign.settings import (BACKENDS, LOGPROBS_MODES, SOURCES, TRAINER_ATTNS, VLLM_GEMMS,  # noqa: F401
+                                 check, configclass, refuse_unused, use)
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
 
-SOURCES = ("sampling", "decode", "positions", "batching", "lm_head", "kv_cache", "gemm", "attention", "rounding")
-BACKENDS = ("vllm", "emulated")
-LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's, for the sampled tokens' logprobs
-VLLM_GEMMS = ("native", "live")  # vLLM-CPU: its own prepacked GEMM, or F.linear on live weights (training's)
 METRICS = ("k3", "abs_dlogp", "exact_frac", "seq_log_ratio", "is_ratio_mean", "is_ratio_max")
-TRAINER_ATTNS = ("eager", "sdpa")
 
 
-@dataclass(frozen=True)
+@configclass
 class AttributeConfig:
-    """Settings of one attribution (``roundalign attribute --help`` shows each)."""
+    """Settings of one attribution: each field is a setting of the settings tree (``roundalign.settings``), which
+    holds its help; ``roundalign attribute --help`` and docs/settings.md show it."""
 
-    model: str
-    engine: str = "vllm-cpu-eager"
-    backend: str = "vllm"
-    num_prompts: int = 16
-    max_new_tokens: int = 24
-    seed: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    logprobs_mode: str = "processed_logprobs"
-    micro_batch: int = 4
-    context_tokens: int = 0
-    trainer_attn: str = "sdpa"
-    engine_attn: str = "eager"
-    engine_attn_decode: str | None = None
-    engine_gemm: str | None = None
-    splitk_chunk: int = 64
-    kv_cache_dtype: str = "auto"
-    trainer_lm_head_fp32: bool = False
-    engine_lm_head_fp32: bool = False
-    dtype: str = "bf16"
-    num_resamples: int = 1000
-    sources: tuple[str, ...] = field(default=SOURCES)
+    model: str = use("model")
+    engine: str = use("engine", default="vllm-cpu-eager")
+    backend: str = use("backend", default="vllm")
+    num_prompts: int = use("num_prompts", default=16, flag="prompts")
+    max_new_tokens: int = use("max_new_tokens", default=24)
+    seed: int = use("seed")
+    temperature: float = use("temperature")
+    top_p: float = use("top_p")
+    top_k: int = use("top_k")
+    logprobs_mode: str = use("logprobs_mode")
+    micro_batch: int = use("micro_batch")
+    context_tokens: int = use("context_tokens")
+    trainer_attn: str = use("attribute_trainer_attn")
+    engine_attn: str = use("engine_attn")
+    engine_attn_decode: str | None = use("engine_attn_decode", choices=ENGINE_ATTN_IMPLS)
+    engine_gemm: str | None = use("attribute_engine_gemm")
+    splitk_chunk: int = use("splitk_chunk")
+    kv_cache_dtype: str = use("engine_kv_cache_dtype")
+    trainer_lm_head_fp32: bool = use("trainer_lm_head_fp32")
+    engine_lm_head_fp32: bool = use("engine_lm_head_fp32")
+    dtype: str = use("dtype")
+    num_resamples: int = use("num_resamples", flag="resamples")
+    sources: tuple[str, ...] = use("sources")
     # Negative controls (tests): sources whose step is still taken and labelled, but whose equalization is skipped
     undo: tuple[str, ...] = ()
 
     def __post_init__(self):
-        from roundalign.engine.model import check_choice
-        from roundalign.numerics.engines import is_cpu
-        from roundalign.numerics.plan import check_engine
-
-        check_engine(self.engine)
-        check_choice("backend", self.backend, BACKENDS)
-        check_choice("logprobs mode", self.logprobs_mode, LOGPROBS_MODES)
-        check_choice("trainer attention", self.trainer_attn, TRAINER_ATTNS)
-        check_choice("KV-cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        for s in (*self.sources, *self.undo):
+        check(self)
+        refuse_unused(self, _ATTRIBUTE_USED_ONLY)
+        for s in self.undo:
             check_choice("source", s, SOURCES)
         if self.backend == "vllm":
             check_choice("engine GEMM (backend vllm)", self.gemm, VLLM_GEMMS)
             if not is_cpu(self.engine) and self.gemm == "live":
                 raise ValueError("--engine-gemm live is the CPU build's F.linear dispatch; a GPU engine runs its own")
-            if self.engine_lm_head_fp32:
-                raise ValueError("--engine-lm-head-fp32 is the emulated engine's (backend emulated): real vLLM 0.31.0 "
-                                 "computes its LM head in the model dtype")
-            if self.kv_cache_dtype != "auto":
-                raise ValueError("--kv-cache-dtype is the emulated engine's (backend emulated); real vLLM's fp8 KV "
-                                 "cache is not measured here")
         else:
             check_choice("engine GEMM (backend emulated)", self.gemm, ENGINE_GEMMS)
-            check_choice("engine attention", self.engine_attn, ENGINE_ATTN_IMPLS)
-            if self.engine_attn_decode is not None:
-                check_choice("engine decode attention", self.engine_attn_decode, ENGINE_ATTN_IMPLS)
-            if self.top_p != 1.0 or self.top_k != 0 or self.logprobs_mode != "processed_logprobs":
-                raise ValueError("top-p/top-k and logprobs modes are vLLM's sampler's (backend vllm); the emulated "
-                                 "engine samples with temperature only")
-        for name in ("num_prompts", "max_new_tokens", "micro_batch", "splitk_chunk", "num_resamples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.context_tokens < 0:
-            raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
 
     @property
     def gemm(self) -> str:
@@ -160,6 +130,19 @@ class AttributeConfig:
     def sampling_is_plain(self) -> bool:
         """Temperature 1, no top-k/top-p: the sampler's processed logprobs are the raw log-softmax."""
         return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == 0
+
+
+_VLLM = (lambda c: c.backend == "vllm", "with backend vllm (vLLM's sampler)")
+_EMULATED = (lambda c: c.backend == "emulated",
+             "with backend emulated (the emulated engine; real vLLM runs its own kernels, LM head and KV cache)")
+# settings that act only with others: a value other than the default where they do not act is refused
+_ATTRIBUTE_USED_ONLY = {
+    "top_p": _VLLM, "top_k": _VLLM, "logprobs_mode": _VLLM,
+    "engine_attn": _EMULATED, "engine_attn_decode": _EMULATED, "engine_lm_head_fp32": _EMULATED,
+    "kv_cache_dtype": _EMULATED,
+    "splitk_chunk": (lambda c: c.backend == "emulated" and c.gemm == "splitk",
+                     "with backend emulated and engine_gemm splitk"),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -381,9 +364,9 @@ def _fp8_kv_attention(inner: str, kv_cache_dtype: str) -> str:
 
 def _attn_name(impl: str) -> str:
     if impl == "vllm_cpu":
-        from roundalign.bridge import vllm_cpu
+        from roundalign.bridge import vllm_cpu_attention
 
-        vllm_cpu.register()
+        vllm_cpu_attention.register()
     return impl
 
 

@@ -19,89 +19,48 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from roundalign import metrics as M
-from roundalign.engine import ENGINE_GEMMS, Engine
-from roundalign.engine.model import check_choice
-from roundalign.engine.choices import ENGINE_ATTN_IMPLS, KV_CACHE_DTYPES, NORM_REDUCTIONS
+from roundalign.engine import Engine
+from roundalign.engine.choices import ENGINE_ATTN_IMPLS
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
 from roundalign.numerics import apply_alignment
 from roundalign.numerics.dose import apply_dose, check_dose_bits
-from roundalign.numerics.plan import VARIANTS, check_engine, check_variant
+from roundalign.settings import check, configclass, refuse_unused, use
 
 
-@dataclass(frozen=True)
+@configclass
 class ProbeConfig:
-    """Settings of one probe run.
+    """Settings of one probe run: each field is a setting of the settings tree (``roundalign.settings``), which
+    holds its help; ``roundalign probe --help`` and docs/settings.md show it. ``attn`` is the attention of the
+    emulated engine and the trainer, an engine kernel."""
 
-    Attributes:
-        model: local model directory (or a hub id available in the local cache).
-        engine: engine rounding: "vllm-compiled", "vllm-eager" (GPU maps), "vllm-cpu-compiled",
-            "vllm-cpu-eager" (vLLM's CPU build).
-        attn: attention implementation of the emulated engine and the trainer: "eager", "sdpa" or "vllm_cpu"
-            (vLLM's CPU kernel, roundalign.bridge.vllm_cpu).
-        trainer_attn: the trainer's attention when it rescores the real engine's samples (backend vllm); None:
-            ``attn``.
-        engine_gemm: "same" (the trainer's GEMMs) or "splitk" (split-K, partials stored in bf16).
-        variants: trainer alignment variants to compare.
-        num_prompts: number of prompts (one completion each).
-        max_new_tokens: completion length cap, in tokens.
-        seed: prompt and sampling seed.
-        temperature: sampling temperature (> 0).
-        context_tokens: random filler tokens put before each prompt, to probe at realistic positions
-            (RoPE's rounding differences grow with position).
-        splitk_chunk: K-chunk size of the "splitk" engine GEMM, in elements.
-        norm_reduction: the emulated compiled engine's RMSNorm mean reduction: "opaque" (the trainer's eager kernel)
-            or "inductor" (Inductor reduces it itself, in its own summation order). Both backends use it (the vllm
-            backend for the emulated engine it compares with the real one).
-        kv_cache_dtype: the emulated engine's KV-cache storage (vLLM's names): "auto", "fp8_e4m3", "fp8_e5m2".
-        dtype: model dtype: "bf16", "fp16" or "fp32".
-        dose_bits: a rounding dose at the aligned regions of an eager engine (``numerics.dose``; 7 = none): the engine
-            rounds them to this many mantissa bits, each variant the regions it aligns.
-    """
-
-    model: str
-    engine: str = "vllm-compiled"
-    attn: str = "eager"
-    engine_gemm: str = "same"
-    variants: tuple[str, ...] = VARIANTS
-    num_prompts: int = 8
-    max_new_tokens: int = 16
-    seed: int = 0
-    temperature: float = 1.0
-    context_tokens: int = 0
-    splitk_chunk: int = 64
-    norm_reduction: str = "opaque"
-    kv_cache_dtype: str = "auto"
-    dtype: str = "bf16"
-    trainer_attn: str | None = None
-    dose_bits: int = 7
+    model: str = use("model")
+    engine: str = use("engine")
+    attn: str = use("attn", choices=ENGINE_ATTN_IMPLS)
+    engine_gemm: str = use("engine_gemm")
+    variants: tuple[str, ...] = use("variants")
+    num_prompts: int = use("num_prompts", flag="prompts")
+    max_new_tokens: int = use("max_new_tokens")
+    seed: int = use("seed")
+    temperature: float = use("temperature")
+    context_tokens: int = use("context_tokens")
+    splitk_chunk: int = use("splitk_chunk")
+    norm_reduction: str = use("engine_norm_reduction")
+    kv_cache_dtype: str = use("engine_kv_cache_dtype")
+    dtype: str = use("dtype")
+    trainer_attn: str | None = use("trainer_attn")
+    dose_bits: int = use("engine_dose_bits")
 
     def __post_init__(self):
-        check_engine(self.engine)
-        check_choice("attention implementation", self.attn, ENGINE_ATTN_IMPLS)
-        if self.trainer_attn is not None:
-            check_choice("trainer attention implementation", self.trainer_attn, ENGINE_ATTN_IMPLS)
-        check_choice("engine GEMM", self.engine_gemm, ENGINE_GEMMS)
-        check_choice("engine norm reduction", self.norm_reduction, NORM_REDUCTIONS)
-        check_choice("KV-cache dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check(self)
         check_dose_bits(self.dose_bits, self.engine)
-        if not self.variants:
-            raise ValueError("give at least one variant")
-        for v in self.variants:
-            check_variant(v)
-        for name in ("num_prompts", "max_new_tokens", "splitk_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.context_tokens < 0:
-            raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 for a probe, got {self.temperature}")
+        refuse_unused(self, {"splitk_chunk": (lambda c: c.engine_gemm == "splitk", "with engine_gemm splitk")})
 
 
 def model_label(path_or_id: str) -> str:

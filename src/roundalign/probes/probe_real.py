@@ -102,7 +102,7 @@ def teacher_forced(llm, samples: list[Sample], temperature: float) -> list[Sampl
     rounded once (what the next norm's add stores)."""
     import vllm
 
-    from roundalign.bridge.vllm_cpu import inprocess_model
+    from roundalign.bridge.vllm_internals import inprocess_model
 
     model = inprocess_model(llm)
     layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
@@ -150,7 +150,7 @@ def preflight(cfg: ProbeConfig, device: str, log=print) -> str:
     import importlib.util
 
     if _is_cpu_engine(cfg.engine):
-        from roundalign.bridge.vllm_cpu import available
+        from roundalign.bridge.vllm_cpu_attention import available
 
         if not available():
             raise RuntimeError(f"probe --backend vllm --engine {cfg.engine} needs vLLM's CPU build: `make vllm-env` "
@@ -222,9 +222,9 @@ def run_probe_real(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda
     del engine
     trainer_attn = cfg.trainer_attn or cfg.attn
     if trainer_attn == "vllm_cpu":  # registered with transformers before the switch (load_model does it likewise)
-        from roundalign.bridge import vllm_cpu
+        from roundalign.bridge import vllm_cpu_attention
 
-        vllm_cpu.register()
+        vllm_cpu_attention.register()
     model.set_attn_implementation(trainer_attn)
     log(f"[probe] trainer (attention {trainer_attn}) vs real vLLM ({cfg.engine}), sampled tokens:")
     orders = settings.get("norm_sum_orders")
