@@ -77,11 +77,66 @@ def test_schema_lists_every_train_key_with_its_help_choices_and_default(gen):
                 assert "default" not in entry, key  # a default there would override the sweep's train:
 
 
+def _docs_tables() -> dict[str, list[str]]:
+    """docs/settings.md's table rows under each heading (the train table under the title)."""
+    tables, heading = {}, "train"
+    for line in (ROOT / "docs/settings.md").read_text().splitlines():
+        if line.startswith("## "):
+            heading = line.removeprefix("## ")
+        elif line.startswith("| `"):
+            tables.setdefault(heading, []).append(line)
+    return tables
+
+
 def test_docs_table_has_one_row_per_setting_with_its_help():
-    rows = [line for line in (ROOT / "docs/settings.md").read_text().splitlines() if line.startswith("| `")]
+    rows = _docs_tables()["train"]
     assert [r.split("|")[1].strip().strip("`") for r in rows] == FIELDS
     for key, row in zip(FIELDS, rows):
         assert row.split(" | ")[-1].removesuffix(" |") == setting_help(key).replace("|", "\\|"), key
+
+
+@pytest.mark.parametrize("command,cls", [("roundalign probe", "ProbeConfig"), ("roundalign attribute", "AttributeConfig")])
+def test_probe_and_attribute_flags_are_their_configs_settings_with_the_trees_help(command, cls):
+    """Each flag of probe and attribute that sets a config field is generated from the settings tree: the docs row,
+    the parser's help and the config field name one setting, whose help they show."""
+    from roundalign.cli import make_parser
+    from roundalign.probes.attribute import AttributeConfig
+    from roundalign.probes.probe import ProbeConfig
+    from roundalign.settings import settings_of
+
+    config = {"ProbeConfig": ProbeConfig, "AttributeConfig": AttributeConfig}[cls]
+    rows = _docs_tables()[command]
+    fields = settings_of(config)
+    assert len(rows) == len(fields)
+    sub = make_parser()._subparsers._group_actions[0].choices[command.split()[1]]
+    actions = {a.dest: a for a in sub._actions}
+    for row, (f, s) in zip(rows, fields):
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert cells[1] == f"`{s.key}`" and cells[4].startswith(s.help.replace("|", "\\|")), f.name
+        assert actions[f.name].help.replace("%%", "%").startswith(s.help), f.name
+        assert actions[f.name].default == (None if f.default is dataclasses.MISSING else f.default), f.name
+
+
+def test_a_setting_a_run_would_not_use_is_refused_naming_it():
+    """train, probe and attribute refuse a non-default value of a setting that their other settings leave unused."""
+    from roundalign.probes.attribute import AttributeConfig
+    from roundalign.probes.probe import ProbeConfig
+
+    with pytest.raises(ConfigError, match=r"splitk_chunk=16 is not used.*engine_gemm splitk"):
+        build_config(overrides={"model": "m", "splitk_chunk": 16})
+    with pytest.raises(ConfigError, match=r"digits_op=sort is not used.*task digits"):
+        build_config(overrides={"model": "m", "task": "arith", "digits_op": "sort"})
+    with pytest.raises(ConfigError, match=r"vllm_mode=server is not used.*backend vllm"):
+        build_config(overrides={"model": "m", "vllm_mode": "server"})
+    with pytest.raises(ConfigError, match=r"engine_norm_reduction=inductor is not used.*compiled engine"):
+        build_config(overrides={"model": "m", "engine": "vllm-eager", "engine_norm_reduction": "inductor"})
+    assert build_config(overrides={"model": "m", "engine_gemm": "splitk", "splitk_chunk": 16}).splitk_chunk == 16
+    with pytest.raises(ConfigError, match=r"splitk_chunk=8 is not used"):
+        ProbeConfig(model="m", splitk_chunk=8)
+    with pytest.raises(ConfigError, match=r"engine_attn=sdpa is not used.*backend emulated"):
+        AttributeConfig(model="m", backend="vllm", engine_attn="sdpa")
+    with pytest.raises(ConfigError, match=r"top_k=5 is not used.*backend vllm"):
+        AttributeConfig(model="m", backend="emulated", engine="vllm-compiled", top_k=5)
 
 
 def test_cli_flags_and_settings_list_show_the_field_help(train_parser):

@@ -155,6 +155,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_argument(pr, "backend", default="emulated")
     add_argument(pr, "device")
     add_argument(pr, "vllm_gpu_memory_utilization", dest="gpu_memory_utilization", default=PROBE_GPU_MEMORY)
+    add_argument(pr, "vllm_cpu_gemm", default="stock", valid=PROBE_CPU_GEMMS)
 
     at = sub.add_parser("attribute", help="where the train-vs-engine mismatch comes from: sources equalized one by "
                         "one at identical weights (attribution.csv, attribution.json, waterfall.png)")
@@ -247,6 +248,8 @@ def run_make_tiny(args) -> None:
 
 # the share of GPU memory a probe's vLLM may take while it samples (training's colocated engine takes less)
 PROBE_GPU_MEMORY = 0.45
+# a probe's vLLM-CPU engine runs vLLM's own GEMM kernels ("stock"), or F.linear on live weights as training does
+PROBE_CPU_GEMMS = ("stock", "live")
 
 
 def run_probe_cli(args) -> None:
@@ -258,6 +261,11 @@ def run_probe_cli(args) -> None:
     if args.backend == "emulated" and (args.device is not None or args.gpu_memory_utilization != PROBE_GPU_MEMORY):
         raise SettingError("--device and --gpu-memory-utilization are the vllm backend's (where real vLLM samples); "
                            "the emulated backend runs on the CPU")
+    if args.vllm_cpu_gemm not in PROBE_CPU_GEMMS:
+        raise SettingError(f"--vllm-cpu-gemm {args.vllm_cpu_gemm}: a probe takes {' or '.join(PROBE_CPU_GEMMS)}")
+    if args.vllm_cpu_gemm != "stock" and not (args.backend == "vllm" and is_cpu(cfg.engine)):
+        raise SettingError(f"--vllm-cpu-gemm {args.vllm_cpu_gemm} is the vLLM-CPU engines' (--backend vllm with "
+                           f"a vllm-cpu engine), not --backend {args.backend} with engine {cfg.engine}")
     if args.backend == "vllm" and is_cpu(cfg.engine) and args.device not in (None, "cpu"):
         raise SettingError(f"--device {args.device}: engine {cfg.engine} is vLLM's CPU build, and the trainer "
                            "rescores on the CPU too (leave --device out, or give cpu)")
@@ -269,9 +277,11 @@ def run_probe_cli(args) -> None:
             # vLLM's CPU build in this process: its model (hooks, GEMM dispatch) is then readable; a 1 GiB KV
             # cache is plenty for probe-sized requests and changes no numerics
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            from roundalign.bridge.vllm_cpu import small_kv_cache
+            from roundalign.bridge import vllm_cpu
 
-            small_kv_cache()
+            vllm_cpu.small_kv_cache()
+            if args.vllm_cpu_gemm == "live":
+                vllm_cpu.install_live_gemm_dispatch()
 
         run_probe_real(cfg, args.out, device=args.device or ("cpu" if is_cpu(cfg.engine) else "cuda"),
                        gpu_memory_utilization=args.gpu_memory_utilization)

@@ -485,7 +485,7 @@ def add_argument(parser, key: str, *, dest: str | None = None, default=dataclass
                             help=text.replace("%", "%%"))
         return
     parser.add_argument(opt, dest=dest, required=required, default=None if required else default,
-                        type=lambda v: _cli_value(dest, v, s.type), choices=valid, help=text.replace("%", "%%"))
+                        type=lambda v: _cli_value(dest, v, s.type), help=text.replace("%", "%%"))
 
 
 def add_arguments(parser, cls, *, skip: tuple[str, ...] = ()) -> None:
