@@ -20,7 +20,8 @@ torch.set_num_threads(1)  # roundalign imports torch; keep CPU tests single-thre
 from roundalign.analysis.aggregate import Aggregate, RUN_STATUS_COLUMNS, write_aggregate
 from roundalign.cli import main
 from roundalign.analysis.plots import CAPTIONS, FIGURES, make_all
-from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots import _grid, _logaxis, _save, _steps, _style
+from roundalign.analysis.plots._tables import Tables, load_table
 from roundalign.analysis.plots.fig_is_ratio import plot_is_ratio
 from roundalign.analysis.plots.fig_k3 import plot_k3
 from roundalign.analysis.plots.fig_probe import plot_probe
@@ -119,14 +120,14 @@ def test_bootstrap_band_matches_seaborn_and_contains_the_mean():
 
     values = [0.0, 1.0, 2.0, 7.0]
     df = pd.DataFrame({"step": [1] * 4 + [2], "value": values + [5.0]})
-    stats = C.mean_and_ci(df, n_boot=4000, seed=0)
+    stats = _steps.mean_and_ci(df, n_boot=4000, seed=0)
     one, single = stats.iloc[0], stats.iloc[1]
     assert one["mean"] == 2.5 and one["lo"] <= 2.5 <= one["hi"] and 0.0 <= one["lo"] and one["hi"] <= 7.0
     boots = sns.algorithms.bootstrap(np.array(values), func=np.mean, n_boot=4000, seed=0)
     lo, hi = np.percentile(boots, [2.5, 97.5])  # seaborn's errorbar=("ci", 95)
     assert one["lo"] == pytest.approx(lo, abs=0.15) and one["hi"] == pytest.approx(hi, abs=0.15)
     assert single["mean"] == 5.0 and np.isnan(single["lo"]) and single["num_seeds"] == 1  # one seed: no band
-    assert C.mean_and_ci(df, n_boot=4000, seed=0).equals(stats)  # seeded
+    assert _steps.mean_and_ci(df, n_boot=4000, seed=0).equals(stats)  # seeded
 
 
 def test_summary_hand_checked(rendered):
@@ -150,7 +151,7 @@ def test_summary_hand_checked(rendered):
 
 
 def test_collapse_marked_on_the_collapsed_runs_curve(agg_dir):
-    runs, status = C.load_table(agg_dir, "runs"), C.load_table(agg_dir, "run_status")
+    runs, status = load_table(agg_dir, "runs"), load_table(agg_dir, "run_status")
     fig, axes = plot_k3(runs, status)
     assert [ax.get_title() for ax in axes] == ["m1", "m2"]
     marks = [line for line in axes[0].get_lines() if line.get_gid() == "collapse"]
@@ -164,18 +165,18 @@ def test_collapse_marked_on_the_collapsed_runs_curve(agg_dir):
 
 
 def test_exact_zeros_drawn_at_a_labelled_floor(agg_dir):
-    fig, axes = plot_k3(C.load_table(agg_dir, "runs"), C.load_table(agg_dir, "run_status"))
+    fig, axes = plot_k3(load_table(agg_dir, "runs"), load_table(agg_dir, "run_status"))
     ax = axes[0]
     assert ax.get_yscale() == "log"
     floor = [line for line in ax.get_lines() if line.get_gid() == "zero_floor"]
     assert len(floor) == 1 and floor[0].get_ydata()[0] == pytest.approx(1e-5)  # a decade below 1e-4
-    assert C.ZERO_LABEL in [t.get_text() for t in ax.texts]
+    assert _logaxis.ZERO_LABEL in [t.get_text() for t in ax.texts]
     assert ax.get_ylabel() == "k3 KL estimate (nats / token)" and ax.get_xlabel() == "optimizer step"
 
-    fig, axes = plot_probe(C.load_table(agg_dir, "probe"), C.load_table(agg_dir, "probe_layers"))
+    fig, axes = plot_probe(load_table(agg_dir, "probe"), load_table(agg_dir, "probe_layers"))
     zero_bars = [p for p in axes["k3"].patches if p.get_gid() == "zero_bar"]
     assert len(zero_bars) == 2  # full, for m1 and m2
-    assert [t.get_text() for t in axes["k3"].texts] == [C.ZERO_LABEL] * 2
+    assert [t.get_text() for t in axes["k3"].texts] == [_logaxis.ZERO_LABEL] * 2
     assert len(axes["layers"]) == 2
 
 
@@ -258,7 +259,7 @@ def test_fig_probe_draws_the_bitwise_marker_for_an_all_zero_full_line_in_every_p
     for ax in axes["layers"]:
         floor = [line for line in ax.get_lines() if line.get_gid() == "zero_floor"]
         assert len(floor) == 1 and floor[0].get_ydata()[0] == pytest.approx(1e-4)  # a decade below 6e-3
-        assert C.ZERO_LABEL in [t.get_text() for t in ax.texts]
+        assert _logaxis.ZERO_LABEL in [t.get_text() for t in ax.texts]
         full = [line for line in ax.get_lines() if line.get_gid() == "layers:full"]
         assert len(full) == 1 and list(full[0].get_ydata()) == pytest.approx([1e-4, 1e-4])  # on the floor
     m1, m2 = axes["layers"]
@@ -270,27 +271,27 @@ def test_fig_probe_draws_the_bitwise_marker_for_an_all_zero_full_line_in_every_p
 
 
 def test_fig_probe_exact_fraction_has_wilson_intervals_and_shows_zeros(agg_dir):
-    probe = C.load_table(agg_dir, "probe")
+    probe = load_table(agg_dir, "probe")
     n_tokens = probe[probe["metric"] == "tokens_exact_frac"].assign(metric="num_tokens", value=32.0)
     probe = pd.concat([probe, n_tokens], ignore_index=True)
-    fig, axes = plot_probe(probe, C.load_table(agg_dir, "probe_layers"))
+    fig, axes = plot_probe(probe, load_table(agg_dir, "probe_layers"))
     bars = [c for c in axes["tokens_exact_frac"].collections if c.get_gid() == "wilson"]
     assert len(bars) == 4  # baseline and full for m1 and m2
     # baseline: 0.25 of 32 tokens = 8 -> Wilson 95% [0.132, 0.420]
     seg = bars[0].get_segments()[0]
     assert seg[0][1] == pytest.approx(0.1319, abs=1e-3) and seg[1][1] == pytest.approx(0.4204, abs=1e-3)
     zero = probe.assign(value=probe["value"].where(probe["metric"] != "tokens_exact_frac", 0.0))
-    fig, axes = plot_probe(zero, C.load_table(agg_dir, "probe_layers"))
+    fig, axes = plot_probe(zero, load_table(agg_dir, "probe_layers"))
     ax = axes["tokens_exact_frac"]
     assert len([line for line in ax.get_lines() if line.get_gid() == "zero_frac"]) == 4  # a dash per 0 bar
     assert [t.get_gid() for t in ax.texts] == ["all_zero"] and ax.get_xticklabels()  # group labels kept
 
 
 def test_subtitle_says_when_a_line_is_a_single_run(agg_dir):
-    runs = C.load_table(agg_dir, "runs")
-    assert C.seeds_subtitle(runs) == "lines: mean over seeds; bands: 95% bootstrap CI over seeds"
+    runs = load_table(agg_dir, "runs")
+    assert _steps.seeds_subtitle(runs) == "lines: mean over seeds; bands: 95% bootstrap CI over seeds"
     one = runs[runs["seed"] == 0]
-    assert C.seeds_subtitle(one) == "one seed per variant: each line is a single run (no interval over seeds)"
+    assert _steps.seeds_subtitle(one) == "one seed per variant: each line is a single run (no interval over seeds)"
     fig, axes = plot_k3(one)
     assert "single run" in fig.get_suptitle() and not [p for p in axes[0].patches if p.get_gid() == "ci:baseline"]
     fig, axes = plot_k3(runs)
@@ -303,9 +304,9 @@ def test_band_is_one_polygon_per_finite_run():
     ax = Figure().subplots()
     x = np.arange(6.0)
     lo = np.array([0.0, 1.0, np.nan, 1.0, 2.0, 3.0])
-    patches = C.band(ax, x, lo, lo + 1)  # NaN at x = 2 splits the band, as fill_between would
+    patches = _steps.band(ax, x, lo, lo + 1)  # NaN at x = 2 splits the band, as fill_between would
     assert [len(p.get_xy()) for p in patches] == [5, 7]  # 2 and 3 points, there and back, closed
-    (step,) = C.band(ax, [0.0, 10.0, 20.0], [0.2, 0.5, 0.5], [0.9, 0.9, 0.9], step="post")
+    (step,) = _steps.band(ax, [0.0, 10.0, 20.0], [0.2, 0.5, 0.5], [0.9, 0.9, 0.9], step="post")
     assert step.get_xy()[:4, 0].tolist() == [0.0, 10.0, 10.0, 20.0]  # holds each value until the next x
     assert ax.dataLim.x1 == 20.0 and ax.dataLim.y1 == 3.0 + 1  # counted by autoscaling
 
@@ -317,10 +318,10 @@ def test_style_and_palette_are_seaborns_and_every_variant_has_its_own_colour():
 
     expected = {**sns.axes_style("whitegrid"), **sns.plotting_context("paper")}
     expected.pop("image.cmap")  # "rocket": registered only by an imported seaborn; no figure draws an image
-    assert C._SEABORN_WHITEGRID_PAPER == expected
-    assert C.COLORBLIND[:10] == sns.color_palette("colorblind", 10).as_hex()
-    pal = C.palette(TRAIN_VARIANTS)
-    assert set(pal) == set(C.VARIANT_COLORS) and set(pal.values()) <= set(C.COLORBLIND)
+    assert _style._SEABORN_WHITEGRID_PAPER == expected
+    assert _style.COLORBLIND[:10] == sns.color_palette("colorblind", 10).as_hex()
+    pal = _style.palette(TRAIN_VARIANTS)
+    assert set(pal) == set(_style.VARIANT_COLORS) and set(pal.values()) <= set(_style.COLORBLIND)
     assert len(set(pal.values())) == len(TRAIN_VARIANTS) == 11  # fp32 used to wrap onto baseline's blue
     # the stress sweep's nine variants: none of the colours that made two pinks and an orange/tan/yellow trio there
     stress = ["baseline", "rope", "full", "tis", "mis", "fp16", "fp32-head", "full+fp32-head", "fp32"]
@@ -330,9 +331,9 @@ def test_style_and_palette_are_seaborns_and_every_variant_has_its_own_colour():
 
 
 def test_log_labels_are_plain_text():
-    assert C.plain_log_label(r"$\mathdefault{10^{-14}}$") == "10⁻¹⁴"
-    assert C.plain_log_label(r"$\mathdefault{6\times10^{-2}}$") == "6×10⁻²"
-    assert C.plain_log_label("0.5") == "0.5"
+    assert _logaxis.plain_log_label(r"$\mathdefault{10^{-14}}$") == "10⁻¹⁴"
+    assert _logaxis.plain_log_label(r"$\mathdefault{6\times10^{-2}}$") == "6×10⁻²"
+    assert _logaxis.plain_log_label("0.5") == "0.5"
 
 
 def test_cli_plot_draws_several_sweeps_in_one_process_without_torch(agg_dir, tmp_path, capsys):
@@ -381,19 +382,19 @@ def test_grid_figures_keep_every_label_inside_the_figure_and_off_the_other_panel
     # nine variants in the legend).
     from matplotlib.transforms import Bbox
 
-    agg = C.Tables(agg_dir if source == "synthetic" else ROOT / "results" / source / "aggregate")
+    agg = Tables(agg_dir if source == "synthetic" else ROOT / "results" / source / "aggregate")
     figs = {}
-    real_save = C.save
+    real_save = _save.save
     try:
-        C.save = lambda fig, out_dir, stem, formats: figs.setdefault(stem, fig) and real_save(fig, out_dir, stem,
+        _save.save = lambda fig, out_dir, stem, formats: figs.setdefault(stem, fig) and real_save(fig, out_dir, stem,
                                                                                              formats)
         for stem in GRID_STEMS:
             FIGURES[stem].make(agg, tmp_path, ("png",))
     finally:
-        C.save = real_save
+        _save.save = real_save
     assert set(figs) == set(GRID_STEMS)
     for stem, fig in figs.items():
-        with C.style():
+        with _style.style():
             r = fig._get_renderer()
             page = Bbox.from_bounds(0, 0, fig.bbox.width, fig.bbox.height).expanded(1.0, 1.0)
             panels = [ax.get_tightbbox(r) for ax in fig.axes]
@@ -537,7 +538,7 @@ def test_fig_attribution_asked_for_without_its_table_names_it(agg_dir, tmp_path)
 def test_fig_attribution_panels_per_model_and_engine_with_exact_zeros_on_the_floor(tmp_path):
     from roundalign.analysis.plots.fig_attribution import plot_attribution
 
-    table = C.load_table(_attribution_aggregate(tmp_path / "agg"), "attribution")
+    table = load_table(_attribution_aggregate(tmp_path / "agg"), "attribution")
     fig, axes = plot_attribution(table)
     assert axes.shape == (2, 2)  # models in rows, engines in columns
     assert [ax.get_title() for ax in axes.ravel()] == ["m1: e1", "m1: e2", "m2: e1", "m2: e2"]
@@ -547,7 +548,7 @@ def test_fig_attribution_panels_per_model_and_engine_with_exact_zeros_on_the_flo
     floor = [line for line in ax.get_lines() if line.get_gid() == "zero_floor"]
     # a decade below the smallest positive k3 (5e-5), not below the rounding interval's 1e-14
     assert len(floor) == 1 and floor[0].get_ydata()[0] == pytest.approx(1e-6)
-    assert C.ZERO_LABEL in [t.get_text() for t in ax.texts]
+    assert _logaxis.ZERO_LABEL in [t.get_text() for t in ax.texts]
     cumulative = next(c for c in ax.containers if c.lines[0].get_gid() == "cumulative")
     assert list(cumulative.lines[0].get_ydata()) == pytest.approx([2e-4, 2e-4, 1e-4, 1e-6])  # the 0 on the floor
     alone = next(c for c in ax.containers if c.lines[0].get_gid() == "alone")
@@ -574,9 +575,9 @@ def test_fig_attribution_keeps_its_labels_apart(tmp_path):
 
     from roundalign.analysis.plots.fig_attribution import plot_attribution
 
-    fig, axes = plot_attribution(C.load_table(_attribution_aggregate(tmp_path / "agg"), "attribution"))
-    C.save(fig, tmp_path, "f", ("png",))  # lays the figure out
-    with C.style():
+    fig, axes = plot_attribution(load_table(_attribution_aggregate(tmp_path / "agg"), "attribution"))
+    _save.save(fig, tmp_path, "f", ("png",))  # lays the figure out
+    with _style.style():
         r = fig._get_renderer()
         page = Bbox.from_bounds(0, 0, fig.bbox.width, fig.bbox.height)
         panels = [ax.get_tightbbox(r) for ax in fig.axes]
@@ -594,3 +595,53 @@ def test_the_commands_waterfall_is_one_png(tmp_path):
     path = draw_waterfall(rows, tmp_path / "waterfall.png", title="m1: e1 (emulated)")
     again = draw_waterfall(rows, tmp_path / "again.png", title="m1: e1 (emulated)")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.read_bytes() == again.read_bytes()
+
+
+def _assert_laid_out_apart(name, fig, extra=()):
+    # Lay the figure out as _save.save does, then matplotlib's own measure of each panel (tick labels, axis labels,
+    # title) must stay inside the figure and off the other panels, the legends, the figure's title and y label.
+    from matplotlib.transforms import Bbox
+
+    with _style.style():
+        _grid.layout_of(fig)(fig)
+        r = fig._get_renderer()
+        page = Bbox.from_bounds(0, 0, fig.bbox.width, fig.bbox.height).expanded(1.01, 1.01)
+        panels = [ax.get_tightbbox(r) for ax in fig.axes]
+        others = [("legend", leg.get_window_extent(r)) for leg in fig.legends]
+        others += [(what, t.get_window_extent(r)) for what, t in (("title", fig._suptitle),
+                                                                  ("y label", fig._supylabel), *extra) if t is not None]
+    for i, box in enumerate(panels):
+        assert page.contains(box.x0, box.y0) and page.contains(box.x1, box.y1), (name, i, box, page)
+        for j, other in enumerate(panels[i + 1:], i + 1):
+            assert not box.shrunk(0.99, 0.99).overlaps(other), (name, "panels", i, j)
+        for what, other in others:
+            assert not box.overlaps(other), (name, what, i, box, other)
+
+
+@pytest.mark.parametrize("source", ["stress", "dose"])
+def test_stress_and_dose_figures_keep_every_label_inside_the_figure_and_apart(source):
+    # the stress figures and dose_gain have fixed margins (_grid.set_margins), not constrained layout: they must fit
+    # the committed sweeps (nine variants with long names, three or four doses, log tick labels)
+    from roundalign.analysis.plots import dose, stress
+
+    agg = Tables(ROOT / "results" / source / "aggregate")
+    runs = agg["stress_runs"]
+    figs = {"survival": stress.plot_survival(agg["stress_survival"], runs)[0],
+            "mismatch": stress.plot_per_step(agg["runs"], runs, stress.MISMATCH, "mean |delta logp| per token (nats)",
+                                             log=True, title="t")[0],
+            "reward": stress.plot_per_step(agg["runs"], runs, stress.REWARD, "reward (mean over completions)",
+                                           log=False, title="t")[0],
+            "dose": stress.plot_dose(runs)[0], "gap": stress.plot_gap(agg["stress_gap"], runs)[0]}
+    if agg.has("dose_outcome"):
+        figs["dose_gain"] = dose.plot_gain(agg["dose_outcome"])[0]
+    for name, fig in figs.items():
+        _assert_laid_out_apart(name, fig)
+
+
+@pytest.mark.parametrize("source", ["synthetic", "dose-anchor", "smoke", "vllm-cpu"])
+def test_fig_probe_keeps_every_label_inside_the_figure_and_apart(agg_dir, source):
+    # fig_probe's fixed layout measures only the depth of its bar panels' slanted labels: one or two lines per
+    # group, side by side or (vllm-cpu: 24 groups) stacked with a two-level axis
+    agg = Tables(agg_dir if source == "synthetic" else ROOT / "results" / source / "aggregate")
+    fig, _ = plot_probe(agg["probe"], agg["probe_layers"])
+    _assert_laid_out_apart(source, fig, [("layers title", t) for t in fig.texts])

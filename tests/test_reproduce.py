@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from roundalign.envinfo import cpu_kernels, kernel_selection
-from roundalign.analysis.plots._common import load_table
+from roundalign.analysis.plots._tables import load_table
 from roundalign.training.config import TrainConfig
 from roundalign.training.train import TIMING_KEYS
 

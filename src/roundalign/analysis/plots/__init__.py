@@ -20,12 +20,19 @@ reset inside the plotting code, and timestamps are removed from the file metadat
 
 from __future__ import annotations
 
+import multiprocessing
+import pickle
+import queue
 import time
+import traceback
 from pathlib import Path
 
 from roundalign.analysis.plots import (fig_attn, fig_attribution, fig_is_ratio, fig_k3, fig_logp_diff, fig_probe,
                                        fig_reward, summary)
-from roundalign.analysis.plots._common import FORMATS, check_formats, load_table, tables
+from roundalign.analysis.plots import dose as dose_plots
+from roundalign.analysis.plots import stress as stress_plots
+from roundalign.analysis.plots._save import FORMATS, check_formats
+from roundalign.analysis.plots._tables import load_table, table_path, tables
 
 # stem -> module, in the order they are made
 FIGURES = {m.STEM: m for m in (fig_reward, fig_k3, fig_is_ratio, fig_logp_diff, fig_probe, fig_attn, fig_attribution,
@@ -105,25 +112,25 @@ CAPTIONS: dict[str, str] = {
 
 def make_all(aggregate_dir, out_dir: str | Path, formats=("png", "pdf"), figures=None, log=print) -> list[Path]:
     """Make every figure (or the stems in ``figures``) into ``out_dir``; returns the written paths.
-    ``aggregate_dir`` is a directory or a ``_common.Tables`` (tables already read are not read again).
+    ``aggregate_dir`` is a directory or a ``_tables.Tables`` (tables already read are not read again).
     Raises FileNotFoundError when ``aggregate_dir`` is missing and ValueError on an unknown format or stem."""
     return make_sweeps([(aggregate_dir, out_dir)], formats, figures, log=log)
 
 
-# Rough relative cost of each figure (seconds on one core of the 2-core dev machine, committed sweeps): the
-# parallel rebuild hands out the dearest first, so the last figure to start is a cheap one.
-_COST = {"fig_is_ratio": 4.3, "stress_survival": 3.5, "stress_mismatch": 3.2, "stress_reward": 3.2,
-         "fig_probe": 3.0, "fig_logp_diff": 2.8, "stress_gap": 2.0, "fig_reward": 2.1, "fig_k3": 2.0,
-         "stress_dose": 1.5, "dose_gain": 1.0, "fig_attribution": 1.5, "fig_attn": 1.0, "summary": 0.1, "stress_summary": 0.1}
-_POOL: dict = {}  # what a forked worker inherits: (tables, out_dir) per sweep, and the formats
+# Rough relative cost of each figure (seconds on one core for a sweep of about four models; _shares scales it by a
+# sweep's models): the parallel rebuild splits the sweeps between the workers by it and has each start on its
+# dearest figures, so that the last figure to start is a cheap one.
+_COST = {"fig_is_ratio": 2.2, "stress_survival": 0.9, "stress_mismatch": 1.9, "stress_reward": 1.4,
+         "fig_probe": 1.4, "fig_logp_diff": 1.3, "stress_gap": 0.5, "fig_reward": 0.9, "fig_k3": 0.9,
+         "stress_dose": 0.7, "dose_gain": 0.7, "fig_attribution": 1.2, "fig_attn": 0.6, "summary": 0.4,
+         "stress_summary": 0.1}
+_POOL: dict = {}  # what a forked worker inherits: (tables, out_dir) per sweep, the formats, the task queues
 
 
 def _tasks(pairs, figures, stress, every=False) -> list[tuple[int, str, str]]:
     """(sweep index, kind, stem) of every file group to make, in the canonical (serial) order. With ``every`` (no
     figure named) an optional figure is made only for an aggregate that holds its table, and with ``stress`` too an
     aggregate with stress tables gets ``STRESS_SWEEP_FIGURES`` only, besides its stress figures."""
-    from roundalign.analysis.plots import stress as stress_plots
-
     tasks = []
     for i, (agg, _) in enumerate(pairs):
         dose_axis = stress and agg.has("stress_runs")
@@ -138,22 +145,115 @@ def _tasks(pairs, figures, stress, every=False) -> list[tuple[int, str, str]]:
 
 
 def _run_task(task) -> tuple[tuple[int, str, str], list[Path], float]:
-    from roundalign.analysis.plots import stress as stress_plots
-
     i, kind, stem = task
     (agg, out_dir), formats = _POOL["pairs"][i], _POOL["formats"]
     t = time.perf_counter()
     if kind == "figure":
         written = FIGURES[stem].make(agg, out_dir, formats)
     elif kind == "dose":
-        from roundalign.analysis.plots import dose as dose_plots
-
         written = dose_plots.make(agg, out_dir, formats)
     elif stem == "stress_summary":
         written = stress_plots.make(agg, out_dir, formats, stems=[], summary=True)
     else:
         written = stress_plots.make(agg, out_dir, formats, stems=[stem], summary=False)
     return task, written, time.perf_counter() - t
+
+
+def _shares(pairs, tasks, procs: int) -> list[list[int]]:
+    """The sweeps split into ``procs`` shares (each worker then reads only its own sweeps' tables: reading them all
+    in the parent before the fork was a serial ~1.5 s), by estimated cost, the dearest sweep first to the cheapest
+    share. A sweep's cost: its figures' ``_COST``, scaled by its number of models (panels; run_status.csv, read
+    here, so that the workers inherit it), and ~0.02 s per MB of runs.csv to read."""
+    cost: dict[int, float] = {}
+    for task in tasks:
+        cost[task[0]] = cost.get(task[0], 0.0) + _COST.get(task[2], 1.0)
+    for i in cost:
+        agg = pairs[i][0]
+        models = agg["run_status"]["model"].nunique() if agg.has("run_status") else 1
+        cost[i] = cost[i] * (0.5 + 0.2 * models) + 0.02 * (agg.dir / "runs.csv").stat().st_size / 2 ** 20
+    shares: list[list[int]] = [[] for _ in range(procs)]
+    load = [0.0] * procs
+    for sweep in sorted(cost, key=lambda i: (-cost[i], i)):
+        k = load.index(min(load))
+        shares[k].append(sweep)
+        load[k] += cost[sweep]
+    return shares
+
+
+def _claim(k: int, loaded: set):
+    """The next task for worker ``k``: the dearest left of its own sweeps; when they are done, the cheapest left of
+    a sweep it has read already, else of the sweep with the most left (a worker ahead of its estimate takes over the
+    tail of another's, reading as few other sweeps as it can). ``loaded``: the sweeps this worker has read."""
+    queues, ends, mine = _POOL["queues"], _POOL["ends"], _POOL["shares"][k]  # ends[i]: [front, back + 1]
+    while True:
+        left = {i: ends[i][1] - ends[i][0] for i in queues}
+        own = [i for i in mine if left[i] > 0]
+        if own:
+            i = max(own, key=lambda j: (_COST.get(queues[j][ends[j][0]][2], 1.0), -j))
+            end = 0
+        elif any(n > 0 for n in left.values()):
+            i = max((j for j in left if left[j] > 0), key=lambda j: (j in loaded, left[j], -j))
+            end = 1
+        else:
+            return None
+        with ends[i].get_lock():
+            front, back = ends[i]
+            if front < back:
+                ends[i][end] = front + 1 if end == 0 else back - 1
+                loaded.add(i)
+                return queues[i][front if end == 0 else back - 1]
+
+
+def _worker(k: int, results) -> None:
+    """A forked worker: make tasks until none is left, each result (or the exception that stopped it) on
+    ``results``."""
+    loaded: set = set()
+    while (task := _claim(k, loaded)) is not None:
+        try:
+            results.put(("done", _run_task(task)))
+        except BaseException as exc:  # the parent raises it
+            try:
+                pickle.dumps(exc)
+            except Exception:
+                exc = RuntimeError("".join(traceback.format_exception(exc)))
+            results.put(("error", exc))
+            return
+
+
+def _parallel(pairs, tasks, procs: int):
+    """``_run_task`` of every task in ``procs`` forked workers; yields each result as it comes."""
+    ctx = multiprocessing.get_context("fork")
+    queues = {i: sorted((t for t in tasks if t[0] == i), key=lambda t: -_COST.get(t[2], 1.0))
+              for i in dict.fromkeys(t[0] for t in tasks)}  # each sweep's tasks, dearest first
+    _POOL.update(shares=_shares(pairs, tasks, procs), queues=queues,
+                 ends={i: ctx.Array("i", [0, len(q)]) for i, q in queues.items()})
+    results = ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(k, results), daemon=True) for k in range(procs)]
+    try:
+        for w in workers:
+            w.start()
+        for _ in tasks:
+            while True:
+                try:
+                    kind, value = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if any(w.is_alive() for w in workers):
+                        continue
+                    try:  # every worker has exited: what one put last has reached the queue by now
+                        kind, value = results.get(timeout=1.0)
+                        break
+                    except queue.Empty:
+                        raise RuntimeError(f"figure workers exited with {[w.exitcode for w in workers]} before "
+                                           "every figure was made") from None
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+            w.join()
 
 
 def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs: int = 1, log=print) -> list[Path]:
@@ -163,12 +263,11 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
     is there (fig_attribution where the aggregate holds attribution.csv), and with ``stress`` an aggregate that holds
     stress_runs.csv gets ``STRESS_SWEEP_FIGURES`` of the per-model figures.
 
-    Every table is read once, in this process, before any figure is drawn. With ``jobs`` > 1 the figures are drawn
-    by that many forked worker processes, which inherit the imports and the tables (nothing is pickled but the
-    task and the paths); each figure is drawn by one process from the same tables either way, so the files are the
-    same bytes as a serial run's (tests/test_plots.py)."""
-    from roundalign.analysis.plots import stress as stress_plots
-
+    Each table is read once per process that needs it, when first needed. With ``jobs`` > 1 the figures are drawn
+    by that many forked worker processes, which inherit the imports (nothing is pickled but the task and the
+    paths), each with its share of the sweeps (``_shares``) and reading only their tables; each figure is drawn by
+    one process from the same tables either way, so the files are the same bytes as a serial run's
+    (tests/test_plots.py)."""
     formats = check_formats(formats)
     every = figures is None
     figures = list(FIGURES) if every else list(figures)
@@ -178,30 +277,19 @@ def make_sweeps(pairs, formats=("png", "pdf"), figures=None, stress=False, jobs:
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     pairs = [(tables(a), Path(o)) for a, o in pairs]
-    for agg, out_dir in pairs:  # fail before any output when an aggregate is missing; read everything once
-        agg["runs"]
-        agg.preload((*stress_plots.TABLES, "dose_outcome") if stress else ())
+    for agg, out_dir in pairs:  # fail before any output when an aggregate is missing
+        table_path(agg.dir, "runs")
         out_dir.mkdir(parents=True, exist_ok=True)
     tasks = _tasks(pairs, figures, stress, every)
     procs = min(jobs, len(tasks))
     _POOL.update(pairs=pairs, formats=formats)
     t0 = time.perf_counter()
     done: dict = {}
-    pool = None
     try:
-        if procs > 1:
-            import multiprocessing
-
-            pool = multiprocessing.get_context("fork").Pool(procs)
-            results = pool.imap_unordered(_run_task, sorted(tasks, key=lambda t: -_COST.get(t[2], 1.0)), chunksize=1)
-        else:
-            results = map(_run_task, tasks)
-        for task, written, dt in results:
+        for task, written, dt in (_parallel(pairs, tasks, procs) if procs > 1 else map(_run_task, tasks)):
             done[task] = written
             log(f"[plot] {pairs[task[0]][1]}/{task[2]}: {', '.join(p.name for p in written)} ({dt:.1f}s)")
     finally:
-        if pool is not None:
-            pool.terminate()  # every task has returned (or one raised): nothing is left to wait for
         _POOL.clear()
     paths = [p for task in tasks for p in done[task]]
     log(f"[plot] wrote {len(paths)} files in {time.perf_counter() - t0:.1f}s "

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
 
-from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots import _grid, _save, _style, _tables
 
 STEMS = ("dose_gain",)
 TABLES = ("dose_outcome", "dose_gain")
@@ -38,16 +39,15 @@ def _boot(values: np.ndarray, rng) -> tuple[float, float]:
 
 def plot_gain(outcome: pd.DataFrame):
     """(fig, axes) of the dose_gain figure from ``dose_outcome.csv``'s rows."""
-    from matplotlib.figure import Figure
-
     rng = np.random.default_rng(0)
     doses = sorted(outcome["dose"].unique(), reverse=True)  # no dose first, then coarser
-    variants = C.variant_order(outcome["variant"].unique())
-    pal = C.palette(variants)
+    variants = _style.variant_order(outcome["variant"].unique())
+    pal = _style.palette(variants)
     width = 0.8 / max(len(variants), 1)
     x = {(d, v): i - 0.4 + width * (k + 0.5) for i, d in enumerate(doses) for k, v in enumerate(variants)}
-    with C.style():
-        fig = Figure(figsize=(10, 3.6), layout="constrained")
+    with _style.style():
+        fig = Figure(figsize=(10, 3.6))
+        _grid.set_margins(fig, left=0.58, right=0.05, top=0.3, bottom=0.5, wspace=0.62)
         axes = fig.subplots(1, 2)
         for ax, col in zip(axes, ("gain", "heldout_final")):
             for v in variants:
@@ -84,8 +84,8 @@ def plot_gain(outcome: pd.DataFrame):
 
 
 def make(aggregate_dir, out_dir, formats=("png", "pdf")) -> list[Path]:
-    formats = C.check_formats(formats)
-    tables = C.tables(aggregate_dir)
+    formats = _save.check_formats(formats)
+    tables = _tables.tables(aggregate_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return C.save(plot_gain(tables["dose_outcome"])[0], out_dir, "dose_gain", formats)
+    return _save.save(plot_gain(tables["dose_outcome"])[0], out_dir, "dose_gain", formats)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots import _grid, _logaxis, _save, _steps, _style, _tables
 
 STEM = "fig_attn"
 METRIC = "mismatch/token/k3"
@@ -29,7 +29,7 @@ ATTN_COLOURS = {"eager": "#949494", "sdpa": "#0173b2", "vllm_cpu": "#de8f05", "v
 
 def arm_table(runs: pd.DataFrame, run_status: pd.DataFrame) -> pd.DataFrame:
     """One row per run: policy, attn, variant, seed and the median of its finite per-step k3."""
-    rows = C.runs_metric(runs, METRIC)
+    rows = _steps.runs_metric(runs, METRIC)
     rows = rows[np.isfinite(rows["value"])]
     per_run = rows.groupby(["model", "variant", "seed"], sort=True)["value"].median().rename("k3").reset_index()
     status = run_status.copy()
@@ -51,15 +51,15 @@ def plot_attn(runs: pd.DataFrame, run_status: pd.DataFrame):
     arms = arm_table(runs, run_status)
     policies = sorted(set(arms["policy"])) or ["(no runs)"]
     attns = sorted(set(arms["attn"]))
-    floor = C.zero_floor(arms["k3"]) if len(arms) else None
-    with C.style():
-        fig, axes = C.wrapped_grid(len(policies))
+    floor = _logaxis.zero_floor(arms["k3"]) if len(arms) else None
+    with _style.style():
+        fig, axes = _grid.wrapped_grid(len(policies))
         for ax, policy in zip(axes, policies):
             sub = arms[arms["policy"] == policy]
             if sub.empty:
-                C.no_data(ax, "no k3 logged")
+                _style.no_data(ax, "no k3 logged")
                 continue
-            variants = C.variant_order(sub["variant"])
+            variants = _style.variant_order(sub["variant"])
             width = 0.8 / max(len(attns), 1)
             for j, attn in enumerate(attns):
                 for i, variant in enumerate(variants):
@@ -78,20 +78,20 @@ def plot_attn(runs: pd.DataFrame, run_status: pd.DataFrame):
                     ax.bar(x, float(np.mean(shown)), width=width * 0.9, color=colour,
                            label=attn if i == 0 else None, gid=f"bar:{variant}:{attn}")
                     ax.plot(np.full(len(shown), x), shown, "o", color="0.15", ms=2.5, zorder=3)
-            C.set_log_y(ax)
-            C.mark_floor(ax, floor)
+            _logaxis.set_log_y(ax)
+            _logaxis.mark_floor(ax, floor)
             ax.set_xticks(range(len(variants)), variants)
             ax.set_title(policy, fontsize=9)
             ax.set_ylabel("median k3 per run (nats / token)", fontsize=8)
         handles = [ax_h for ax_h in axes[0].get_legend_handles_labels()[0]]
         if handles:
             fig.legend(handles=handles, title="trainer attention", loc="outside right center")
-        C.suptitle(fig, "Mismatch per arm: rounding alignment x the trainer's attention", runs,
-                   "bar: mean over seeds of each run's median step k3; dots: seeds")
+        _style.suptitle(fig, "Mismatch per arm: rounding alignment x the trainer's attention", runs,
+                        "bar: mean over seeds of each run's median step k3; dots: seeds")
     return fig, axes
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    tables = C.tables(aggregate_dir)
+    tables = _tables.tables(aggregate_dir)
     fig, _ = plot_attn(tables["runs"], tables["run_status"])
-    return C.save(fig, out_dir, STEM, C.check_formats(formats))
+    return _save.save(fig, out_dir, STEM, _save.check_formats(formats))

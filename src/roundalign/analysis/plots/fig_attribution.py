@@ -23,7 +23,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots import _grid, _logaxis, _save, _style, _tables
 
 STEM = "fig_attribution"
 TABLE = "attribution"
@@ -38,9 +38,9 @@ def k3_floor(df: pd.DataFrame) -> float | None:
     interval end). The point values only: an interval whose lower end is a rounding's few ulps (1e-14 against
     1e-4) would stretch the axis over ten empty decades; such an end is drawn down to the floor."""
     k3 = df[df["metric"] == "k3"]
-    floor = C.zero_floor(k3["value"])
+    floor = _logaxis.zero_floor(k3["value"])
     if floor is None and (k3["ci_low"] <= 0).any():
-        floor = C.zero_floor(np.concatenate([k3["value"].to_numpy(dtype="float64"), [0.0]]))
+        floor = _logaxis.zero_floor(np.concatenate([k3["value"].to_numpy(dtype="float64"), [0.0]]))
     return floor
 
 
@@ -50,7 +50,7 @@ def waterfall_panel(ax, df: pd.DataFrame, floor: float | None) -> None:
     cum = k3[k3["mode"] == "cumulative"].sort_values("step", kind="stable")
     alone = k3[k3["mode"] == "alone"].sort_values("step", kind="stable")
     if cum.empty:
-        C.no_data(ax, "no data: no k3 rows")
+        _style.no_data(ax, "no data: no k3 rows")
         return
     x = cum["step"].to_numpy()
     labels = ["none"] + [f"+{s}" for s in cum["source"].iloc[1:]]
@@ -69,8 +69,8 @@ def waterfall_panel(ax, df: pd.DataFrame, floor: float | None) -> None:
         va, alo, ahi = pts(alone)
         ax.errorbar(alone["step"].to_numpy() + ALONE_DX, va, yerr=[alo, ahi], color=ALONE, marker="o", ms=5, mfc="white",
                     lw=0, elinewidth=1, capsize=2, zorder=4, gid="alone")
-    C.set_log_y(ax)
-    C.mark_floor(ax, floor)
+    _logaxis.set_log_y(ax)
+    _logaxis.mark_floor(ax, floor)
     ax.set_xticks(x)
     ax.set_xlim(x.min() - 0.5, x.max() + 0.5)
     base = float(cum["value"].iloc[0])
@@ -114,13 +114,13 @@ def draw_waterfall(rows, path: str | Path, title: str = "") -> Path:
     """The waterfall of one ``roundalign attribute`` run (its rows) as one figure at ``path``."""
     df = pd.DataFrame(rows)
     path = Path(path)
-    with C.style():
+    with _style.style():
         fig = Figure(figsize=(7.5, 3.6), layout="constrained")
         ax = fig.subplots()
         waterfall_panel(ax, df, k3_floor(df))
         ax.set_title(title, fontsize=9)
         fig.legend(handles=_handles(), loc="outside lower center", ncols=2, fontsize=7)
-    C.save(fig, path.parent, path.stem, (path.suffix.lstrip("."),))
+    _save.save(fig, path.parent, path.stem, (path.suffix.lstrip("."),))
     return path
 
 
@@ -131,19 +131,21 @@ def plot_attribution(attribution: pd.DataFrame):
     models = sorted(set(df["model"])) if len(df) else []
     engines = sorted(set(df["engine"])) if len(df) else []
     floor = k3_floor(df) if len(df) else None
-    with C.style():
+    with _style.style():
         nrows, ncols = max(len(models), 1), max(len(engines), 1)
-        fig = Figure(figsize=(PANEL_IN[0] * ncols + 0.4, PANEL_IN[1] * nrows + 1.0), layout="constrained")
+        fig = Figure(figsize=(PANEL_IN[0] * ncols + 0.4, PANEL_IN[1] * nrows + 1.0))
+        # below each panel its two-line step labels, above it its title; the legend at the bottom
+        _grid.set_margins(fig, left=0.64, right=0.05, top=0.64, bottom=0.72, wspace=0.5, hspace=0.66)
         axes = fig.subplots(nrows, ncols, squeeze=False)
         if not models:
-            C.no_data(axes[0, 0], "no data: attribution.csv has no rows")
+            _style.no_data(axes[0, 0], "no data: attribution.csv has no rows")
         for i, model in enumerate(models):
             for j, engine in enumerate(engines):
                 ax = axes[i, j]
                 rows = df[(df["model"] == model) & (df["engine"] == engine)]
                 ax.set_title(f"{model}: {engine}", fontsize=9)
                 if rows.empty:
-                    C.no_data(ax, f"no attribution of\n{model} against {engine}")
+                    _style.no_data(ax, f"no attribution of\n{model} against {engine}")
                     continue
                 waterfall_panel(ax, rows, floor)
                 if j:
@@ -153,12 +155,12 @@ def plot_attribution(attribution: pd.DataFrame):
             if limits is not None and ax.get_yscale() == "log":
                 ax.set_ylim(*limits)  # one scale: the panels compare
         fig.legend(handles=_handles(), loc="outside lower center", ncols=2, fontsize=8)
-        C.suptitle(fig, "Where the train-vs-engine mismatch comes from: token k3 as its sources are equalized", df,
-                   "error bars: 95% bootstrap CI over prompts; under each step: % of step 0's k3 it removes")
+        _style.suptitle(fig, "Where the train-vs-engine mismatch comes from: token k3 as its sources are equalized", df,
+                        "error bars: 95% bootstrap CI over prompts; under each step: % of step 0's k3 it removes")
     return fig, axes
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    tables = C.tables(aggregate_dir)
+    tables = _tables.tables(aggregate_dir)
     fig, _ = plot_attribution(tables[TABLE])
-    return C.save(fig, out_dir, STEM, C.check_formats(formats))
+    return _save.save(fig, out_dir, STEM, _save.check_formats(formats))

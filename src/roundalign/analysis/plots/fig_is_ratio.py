@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots import _save, _steps, _style, _tables
 
 STEM = "fig_is_ratio"
 METRICS = [("mismatch/token/is_ratio_min", "min IS ratio per step"),
@@ -18,17 +18,17 @@ METRICS = [("mismatch/token/is_ratio_min", "min IS ratio per step"),
            ("mismatch/token/is_ratio_max", "max IS ratio per step")]
 
 
-def plot_is_ratio(runs: pd.DataFrame, *, n_boot: int = C.N_BOOT, seed: int = C.SEED):
+def plot_is_ratio(runs: pd.DataFrame, *, n_boot: int = _steps.N_BOOT, seed: int = _steps.SEED):
     """Returns (fig, axes: 2-D, statistic x model). Linear y: a bitwise-aligned run sits on the line at 1."""
-    with C.style():
-        fig, axes, _ = C.step_figure(
+    with _style.style():
+        fig, axes, _ = _steps.step_figure(
             runs, METRICS, log_y=False, hline=1.0, n_boot=n_boot, seed=seed,
             title="Token importance ratio π_train / π_engine (unitless)")
-        C.variant_legend(fig, C.variant_order(runs[runs["metric"].isin([m for m, _ in METRICS])]["variant"]))
+        _style.variant_legend(fig, _style.variant_order(runs[runs["metric"].isin([m for m, _ in METRICS])]["variant"]))
     return fig, axes
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    tables = C.tables(aggregate_dir)
+    tables = _tables.tables(aggregate_dir)
     fig, _ = plot_is_ratio(tables["runs"])
-    return C.save(fig, out_dir, STEM, C.check_formats(formats))
+    return _save.save(fig, out_dir, STEM, _save.check_formats(formats))

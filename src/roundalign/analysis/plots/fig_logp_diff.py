@@ -10,24 +10,24 @@ from pathlib import Path
 
 import pandas as pd
 
-from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots import _save, _steps, _style, _tables
 
 STEM = "fig_logp_diff"
 METRICS = [("mismatch/token/logp_abs_diff_mean", "mean |Δ log p| (nats)"),
            ("mismatch/token/logp_abs_diff_max", "max |Δ log p| (nats)")]
 
 
-def plot_logp_diff(runs: pd.DataFrame, *, n_boot: int = C.N_BOOT, seed: int = C.SEED):
+def plot_logp_diff(runs: pd.DataFrame, *, n_boot: int = _steps.N_BOOT, seed: int = _steps.SEED):
     """Returns (fig, axes: 2-D, statistic x model)."""
-    with C.style():
-        fig, axes, _ = C.step_figure(
+    with _style.style():
+        fig, axes, _ = _steps.step_figure(
             runs, METRICS, log_y=True, n_boot=n_boot, seed=seed,
             title="Per-token |log-prob difference|, trainer vs engine")
-        C.variant_legend(fig, C.variant_order(runs[runs["metric"].isin([m for m, _ in METRICS])]["variant"]))
+        _style.variant_legend(fig, _style.variant_order(runs[runs["metric"].isin([m for m, _ in METRICS])]["variant"]))
     return fig, axes
 
 
 def make(aggregate_dir: str | Path, out_dir: str | Path, formats=("png", "pdf")) -> list[Path]:
-    tables = C.tables(aggregate_dir)
+    tables = _tables.tables(aggregate_dir)
     fig, _ = plot_logp_diff(tables["runs"])
-    return C.save(fig, out_dir, STEM, C.check_formats(formats))
+    return _save.save(fig, out_dir, STEM, _save.check_formats(formats))

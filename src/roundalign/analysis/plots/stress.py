@@ -12,7 +12,7 @@ close" note where the baseline is not distinguishable from the floor. Nine arms 
 hiding each other: survival gives each variant its own row (an offset 0..1 axis) in one panel per dose, and the
 per-step figures are small multiples, one row per variant and one column per dose.
 
-Figures are built like the paper figures (``_common``: no pyplot, fixed style, seeded, categories sorted:
+Figures are built like the paper figures (``_style``, ``_save``: no pyplot, fixed style, seeded, categories sorted:
 variants in the order of ``roundalign.training.config.TRAIN_VARIANTS``, doses by ``_doses``, no timestamps): reruns give
 identical bytes.
 """
@@ -24,13 +24,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, StrMethodFormatter
 
 from roundalign.engine.choices import KV_CACHE_DTYPES
 from roundalign.io import atomic_write_csv, atomic_write_text
 from roundalign.analysis.stress import _Z95, _frozen
-from roundalign.analysis.plots import _common as C
+from roundalign.analysis.plots import _grid, _logaxis, _save, _steps, _style, _tables
 
 STEMS = ("stress_survival", "stress_mismatch", "stress_reward", "stress_dose", "stress_gap")
 TABLES = ("stress_runs", "stress_survival", "stress_gap")  # what the figures read besides runs.csv
@@ -80,7 +81,7 @@ CAPTIONS = {
 
 
 def _variants(df: pd.DataFrame) -> list[str]:
-    return C.variant_order(df["variant"].unique())
+    return _style.variant_order(df["variant"].unique())
 
 
 def _doses(df):
@@ -144,13 +145,14 @@ def horizon(stress_runs: pd.DataFrame, surv: pd.DataFrame | None = None) -> floa
 
 # ---------------------------------------------------------------------------------------------- layout
 
-def _variant_grid(variants, doses):
+def _variant_grid(variants, doses, *, log: bool):
     """One row per variant, one column per dose, no shared axes (with 24 panels matplotlib's sibling bookkeeping
     cost more than the drawing; ``plot_per_step`` sets equal limits itself); returns (fig, axes[variant, dose])."""
-    from matplotlib.figure import Figure
-
     nrows, ncols = max(len(variants), 1), max(len(doses), 1)
-    fig = Figure(figsize=(PANEL_IN[0] * ncols + 1.6, PANEL_IN[1] * nrows + 1.0), layout="constrained")
+    fig = Figure(figsize=(PANEL_IN[0] * ncols + 1.6, PANEL_IN[1] * nrows + 1.0))
+    # the figure's y label, the variant names and tick labels left; dose titles and a two-line title on top;
+    # the x label and the legend below; log tick labels (6×10⁻²) between the columns
+    _grid.set_margins(fig, left=0.8, right=0.14, top=0.64, bottom=0.75, wspace=0.68 if log else 0.24, hspace=0.1)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
@@ -169,10 +171,10 @@ def _span(arrays, *, log: bool) -> tuple[float, float]:
 
 
 def _label_grid(axes, variants, doses, ylabel: str) -> None:
-    pal = C.palette(variants)
+    pal = _style.palette(variants)
     for j, dose in enumerate(doses):
         axes[0, j].set_title(_dose_label(dose), fontsize=9)
-        axes[-1, j].set_xlabel(C.STEP_LABEL)
+        axes[-1, j].set_xlabel(_steps.STEP_LABEL)
     for i, v in enumerate(variants):
         axes[i, 0].set_ylabel(v, color=pal[v], fontsize=8.5)
     for ax in axes.ravel():
@@ -192,19 +194,20 @@ def plot_survival(surv: pd.DataFrame, stress_runs: pd.DataFrame):
     cell's follow-up, on a shared x-axis to ``horizon``, with its Greenwood band (gid "ci"), x at event steps
     (gid "event"), the number at risk at each x tick (gid "at_risk") and, where a run had an event, the final S
     at the right (gid "final"). Returns (fig, axes: one per dose)."""
-    from matplotlib.figure import Figure
-
-    with C.style():
+    with _style.style():
         doses = _doses(surv) if len(surv) else _doses(stress_runs)
         variants = _variants(surv) if len(surv) else _variants(stress_runs)
-        pal = C.palette(variants)
+        pal = _style.palette(variants)
         end = horizon(stress_runs, surv)
         ticks = [t for t in MaxNLocator(nbins=4, integer=True).tick_values(0, end) if 0 <= t <= end]
         n = max(len(variants), 1)
-        fig = Figure(figsize=(3.5 * max(len(doses), 1) + 1.4, 0.5 * n + 1.3), layout="constrained")
+        fig = Figure(figsize=(3.5 * max(len(doses), 1) + 1.4, 0.5 * n + 1.3))
+        # left: the variant names (up to ~0.075 in a character); right: each row's S scale and its label
+        _grid.set_margins(fig, left=0.15 + 0.075 * max(map(len, variants), default=4), right=0.36, top=0.64,
+                          bottom=0.5, wspace=0.1)
         axes = fig.subplots(1, max(len(doses), 1), squeeze=False, sharex=True, sharey=True)[0]
         if not len(surv):
-            C.no_data(axes[0], "no data: stress_survival.csv is empty")
+            _style.no_data(axes[0], "no data: stress_survival.csv is empty")
         for ax, dose in zip(axes, doses):
             ax.set_title(_dose_label(dose), fontsize=9)
             ax.grid(False, axis="y")
@@ -222,8 +225,8 @@ def plot_survival(surv: pd.DataFrame, stress_runs: pd.DataFrame):
                 t = np.append(g["time"].to_numpy(dtype="float64"), last)
                 srv, lo, hi = (np.append(g[c].to_numpy(dtype="float64"), g[c].iloc[-1])
                                for c in ("survival", "ci_low", "ci_high"))
-                C.band(ax, t, y0 + SURVIVAL_ROW * lo, y0 + SURVIVAL_ROW * hi, step="post", color=pal[v], alpha=0.2,
-                       lw=0, gid="ci")
+                _steps.band(ax, t, y0 + SURVIVAL_ROW * lo, y0 + SURVIVAL_ROW * hi, step="post", color=pal[v], alpha=0.2,
+                            lw=0, gid="ci")
                 ax.step(t, y0 + SURVIVAL_ROW * srv, where="post", color=pal[v], lw=1.5, gid="survival")
                 ev = g[g["num_events"] > 0]
                 if len(ev):
@@ -234,7 +237,7 @@ def plot_survival(surv: pd.DataFrame, stress_runs: pd.DataFrame):
                 for tick in ticks if len(cell) else ():
                     ax.text(tick, y0 + 0.04, str(at_risk(cell["time"], tick)), ha="center", va="bottom", fontsize=6,
                             color="0.45", gid="at_risk")
-            ax.set_xlabel(C.STEP_LABEL)
+            ax.set_xlabel(_steps.STEP_LABEL)
         ax = axes[0]  # every panel shares both axes: set once (each call updates all the siblings)
         ax.set_xlim(-0.05 * end, 1.05 * end)  # room for the at-risk numbers at 0 and at the horizon
         ax.set_xticks(ticks)
@@ -250,10 +253,10 @@ def plot_survival(surv: pd.DataFrame, stress_runs: pd.DataFrame):
                          color="0.4")
         scale.tick_params(axis="y", length=2, color="0.6")
         scale.set_ylabel("S (each row)", fontsize=7, color="0.4")
-        C.suptitle(fig, "Survival without a collapse event (Kaplan-Meier, pooled over models and seeds)",
-                   stress_runs if len(stress_runs) else surv,
-                   "each row: S from 0 (solid line) to 1 (dotted); bands: 95% Greenwood; x: events; grey: runs at "
-                   "risk; right: S at the end")
+        _style.suptitle(fig, "Survival without a collapse event (Kaplan-Meier, pooled over models and seeds)",
+                        stress_runs if len(stress_runs) else surv,
+                        "each row: S from 0 (solid line) to 1 (dotted); bands: 95% Greenwood; x: events; grey: runs at "
+                        "risk; right: S at the end")
     return fig, axes
 
 
@@ -274,20 +277,20 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
                   title: str):
     """Small multiples (row = variant other than baseline, column = dose): the windowed mean over runs with a
     bootstrap band, over the baseline arm of the same dose (dashed). Returns (fig, axes[variant, dose])."""
-    with C.style():
+    with _style.style():
         w = _windowed(runs_long, metric, stress_runs)
         doses, variants = _doses(stress_runs), [v for v in _variants(stress_runs) if v != "baseline"]
-        pal = C.palette(variants)
-        ref = C.palette(["baseline"])["baseline"]
+        pal = _style.palette(variants)
+        ref = _style.palette(["baseline"])["baseline"]
         # equal limits set below, inner tick labels hidden; log mismatch spans different decades per dose, so a
         # y range per column, reward one for all
-        fig, axes = _variant_grid(variants, doses)
-        floor = C.zero_floor(w["value"]) if log else None
+        fig, axes = _variant_grid(variants, doses, log=log)
+        floor = _logaxis.zero_floor(w["value"]) if log else None
         if log:
-            w = C.apply_floor(w, floor)
+            w = _logaxis.apply_floor(w, floor)
         stats = {}
         for (dose, v), g in w.groupby(["dose", "variant"], sort=True):
-            stats[(dose, v)] = C.mean_and_ci(g, n_boot=NUM_RESAMPLES, seed=SEED)
+            stats[(dose, v)] = _steps.mean_and_ci(g, n_boot=NUM_RESAMPLES, seed=SEED)
         for i, v in enumerate(variants):
             for j, dose in enumerate(doses):
                 ax = axes[i, j]
@@ -298,10 +301,10 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
                         continue
                     ax.plot(st["step"], st["mean"], color=color, ls=ls, lw=1.3, gid=gid, zorder=z + 1)
                     if st["num_seeds"].max() > 1:
-                        C.band(ax, st["step"], st["lo"], st["hi"], color=color, alpha=alpha, lw=0,
-                               gid=f"ci:{gid}", zorder=z)
+                        _steps.band(ax, st["step"], st["lo"], st["hi"], color=color, alpha=alpha, lw=0,
+                                    gid=f"ci:{gid}", zorder=z)
                 if (dose, v) not in stats:
-                    C.no_data(ax, "no runs")
+                    _style.no_data(ax, "no runs")
         end = horizon(stress_runs)
         xticks = [t for t in MaxNLocator(nbins=4, integer=True).tick_values(0, end) if 0 <= t <= end]
         column = {dose: [a for (d, _), st in stats.items() if d == dose for a in (st["mean"], st["lo"], st["hi"])]
@@ -316,9 +319,9 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
             for i in range(len(variants)):
                 ax = axes[i, j]
                 if log:
-                    C.set_log_y(ax)
+                    _logaxis.set_log_y(ax)
                     if ylim[0] <= (floor or 0) <= ylim[1]:
-                        C.mark_floor(ax, floor)
+                        _logaxis.mark_floor(ax, floor)
                 else:
                     ax.yaxis.set_major_formatter(plain)
                 ax.set_ylim(*ylim)
@@ -329,9 +332,9 @@ def plot_per_step(runs_long: pd.DataFrame, stress_runs: pd.DataFrame, metric: st
         _label_grid(axes, variants, doses, ylabel)
         handles = [Line2D([], [], color=ref, ls="--", lw=1.5, label="baseline arm of the same dose")]
         fig.legend(handles=handles, loc="outside lower center", fontsize=8)
-        C.suptitle(fig, title, stress_runs,
-                   f"each run's mean over {WINDOW_STEPS}-step windows; lines: mean over runs; "
-                   "bands: 95% bootstrap CI over runs")
+        _style.suptitle(fig, title, stress_runs,
+                        f"each run's mean over {WINDOW_STEPS}-step windows; lines: mean over runs; "
+                        "bands: 95% bootstrap CI over runs")
     return fig, axes
 
 
@@ -379,14 +382,13 @@ def plot_dose(stress_runs: pd.DataFrame):
     """Dose-response with a categorical dose axis: per (dose, variant) a marker and its 95% interval, one
     errorbar per variant over its doses (gid "dose:<variant>", markers only: nothing joins the doses), for the
     mismatch, the final reward and the fraction of runs with an event. Returns (fig, axes)."""
-    from matplotlib.figure import Figure
-
-    with C.style():
+    with _style.style():
         st = dose_stats(stress_runs)
         doses, variants = _doses(stress_runs), _variants(stress_runs)
-        pal = C.palette(variants)
+        pal = _style.palette(variants)
         x = _dodged(doses, variants)
-        fig = Figure(figsize=(11, 3.4), layout="constrained")
+        fig = Figure(figsize=(11, 3.4))
+        _grid.set_margins(fig, left=0.64, right=0.05, top=0.52, bottom=0.5, wspace=0.6)  # + the legend, measured
         axes = fig.subplots(1, 3)
         panels = (("mismatch", "mean |delta logp| per token (nats)"),
                   ("reward", "final reward (last 10% of steps)"),
@@ -400,13 +402,13 @@ def plot_dose(stress_runs: pd.DataFrame):
                             color=pal[v], elinewidth=1.2, capsize=2, gid=f"dose:{v}")
             _dose_axis(ax, doses)
             ax.set_ylabel(ylabel)
-        C.set_log_y(axes[0])
+        _logaxis.set_log_y(axes[0])
         axes[2].set_ylim(-0.03, 1.03)
-        C.variant_legend(fig, variants, marker="o")
+        _style.variant_legend(fig, variants, marker="o")
         n = sorted(set(st["num_runs"])) if len(st) else []
-        C.suptitle(fig, "Dose-response: mismatch, final reward and collapse events per variant", stress_runs,
-                   f"points: mean over runs ({'/'.join(map(str, n))} per cell); bars: 95% bootstrap CI "
-                   "(fractions: Wilson)")
+        _style.suptitle(fig, "Dose-response: mismatch, final reward and collapse events per variant", stress_runs,
+                        f"points: mean over runs ({'/'.join(map(str, n))} per cell); bars: 95% bootstrap CI "
+                        "(fractions: Wilson)")
     return fig, axes
 
 
@@ -422,19 +424,20 @@ def plot_gap(gap: pd.DataFrame, sweep_table: pd.DataFrame | None = None):
     "share:<variant>"); a dose without a resolved gap (``has_gap`` false for every base) gets only a note (gid
     "no_gap"). baseline (0 by definition) and the floor (1) are the reference lines, not points.
     ``sweep_table``: a table with the sweep column, for the title. Returns (fig, axes)."""
-    from matplotlib.figure import Figure
-
-    with C.style():
+    with _style.style():
         g = gap[~gap["variant"].isin(["baseline", "fp32"])]
         doses, variants = _doses(gap), _variants(g)
         bases = sorted(gap["base"].unique())
         markers = ["o", "s", "^", "D", "v", "P"]
-        pal = C.palette(variants)
-        fig = Figure(figsize=(max(3.2 * max(len(doses), 1) + 1.2, C.MIN_WIDTH_IN), 3.6), layout="constrained")
+        pal = _style.palette(variants)
+        fig = Figure(figsize=(max(3.2 * max(len(doses), 1) + 1.2, _grid.MIN_WIDTH_IN), 3.6))
+        # bottom: the variant names at 35 degrees (~0.036 in of height a character); top: two-line panel titles
+        longest = max(map(len, variants), default=4)
+        _grid.set_margins(fig, left=0.74, right=0.05, top=0.82, bottom=0.22 + 0.036 * longest, wspace=0.1)
         axes = fig.subplots(1, max(len(doses), 1), squeeze=False, sharey=True)[0]
         width = 0.6 / max(len(bases), 1)
         if gap.empty:
-            C.no_data(axes[0], "no data: stress_gap.csv is empty")
+            _style.no_data(axes[0], "no data: stress_gap.csv is empty")
         for ax, dose in zip(axes, doses):
             h = g[g["dose"] == dose]
             resolved = gap[(gap["dose"] == dose)]
@@ -472,9 +475,9 @@ def plot_gap(gap: pd.DataFrame, sweep_table: pd.DataFrame | None = None):
                    for b, base in enumerate(bases)] if len(bases) > 1 else []
         if handles:
             fig.legend(handles=handles, loc="outside right center", title="model")
-        C.suptitle(fig, "Share of the baseline-to-fp32 mismatch gap closed",
-                   sweep_table if sweep_table is not None else gap,
-                   "points: estimate; bars: 95% seed-bootstrap CI")
+        _style.suptitle(fig, "Share of the baseline-to-fp32 mismatch gap closed",
+                        sweep_table if sweep_table is not None else gap,
+                        "points: estimate; bars: 95% seed-bootstrap CI")
     return fig, axes
 
 
@@ -530,13 +533,13 @@ def _summary_markdown(table: pd.DataFrame) -> str:
 
 def make(aggregate_dir, out_dir, formats=("png", "pdf"), stems=None, summary=True) -> list[Path]:
     """Every stress figure (or those of ``stems``) and, with ``summary``, the summary table; ``aggregate_dir`` is a
-    directory or a ``_common.Tables``."""
-    formats = C.check_formats(formats)
+    directory or a ``_tables.Tables``."""
+    formats = _save.check_formats(formats)
     stems = list(STEMS) if stems is None else list(stems)
     unknown = [s for s in stems if s not in STEMS]
     if unknown:
         raise ValueError(f"unknown stress figure(s) {', '.join(unknown)}; choose from {', '.join(STEMS)}")
-    tables = C.tables(aggregate_dir)
+    tables = _tables.tables(aggregate_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stress_runs, surv, gap = tables["stress_runs"], tables["stress_survival"], tables["stress_gap"]
@@ -552,7 +555,7 @@ def make(aggregate_dir, out_dir, formats=("png", "pdf"), stems=None, summary=Tru
     }
     paths = []
     for stem in stems:
-        paths += C.save(figs[stem](), out_dir, stem, formats)
+        paths += _save.save(figs[stem](), out_dir, stem, formats)
     if not summary:
         return paths
     table = summary_table(stress_runs, gap)
