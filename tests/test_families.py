@@ -76,7 +76,7 @@ def test_families_name_their_classes_and_unsupported_ones_are_refused_in_one_lin
                                              vocab_size=64, num_experts=4, num_experts_per_tok=2))
     # aligned against vLLM-CPU only (numerics/moe.py; tests/test_moe.py); a GPU engine has no MoE map
     with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: the MoE block's rounding is measured against "
-                                         r"vllm-cpu-eager, vllm-cpu-compiled only; 'vllm-compiled' has no MoE map"):
+                                         r"vllm-cpu-compiled, vllm-cpu-eager only; 'vllm-compiled' has no MoE map"):
         apply_alignment(moe, "full")
     # a rope parameterisation the family is not verified for
     from transformers import Qwen2Config, Qwen2ForCausalLM

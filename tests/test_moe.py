@@ -274,8 +274,8 @@ def test_variants_own_the_block_and_other_engines_are_refused():
     for engine in ("vllm-compiled", "vllm-eager"):
         with pytest.raises(ValueError) as err:
             apply_alignment(model, "full", engine)
-        assert str(err.value) == (f"Qwen3MoeForCausalLM: the MoE block's rounding is measured against vllm-cpu-eager, "
-                                  f"vllm-cpu-compiled only; {engine!r} has no MoE map (docs/numerics.md, Qwen3-MoE)")
+        assert str(err.value) == (f"Qwen3MoeForCausalLM: the MoE block's rounding is measured against vllm-cpu-compiled, "
+                                  f"vllm-cpu-eager only; {engine!r} has no MoE map (docs/numerics.md, Qwen3-MoE)")
     apply_alignment(model, "baseline", "vllm-compiled")  # stock numerics need no map
     with pytest.raises(ValueError, match="unknown MoE kernel ISA 'neon'"):
         apply_alignment(model, "full", "vllm-cpu-eager", moe_isa="neon")

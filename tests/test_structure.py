@@ -2,68 +2,7 @@
 modules, read from the source (``from pkg import mod`` counts as an import of ``pkg.mod``, not of the package it
 sits in, whose ``__init__`` runs first either way), and the role packages import only downwards."""
 
-import ast
-from pathlib import Path
-
-SRC = Path(__file__).resolve().parents[1] / "src" / "roundalign"
-
-
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def import_graph() -> dict[str, set[str]]:
-    mods = {_module(p): p for p in SRC.rglob("*.py")}
-    graph = {m: set() for m in mods}
-    for m, p in mods.items():
-        pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                # ``from pkg import mod`` imports pkg.mod; ``from pkg import name`` imports pkg
-                names = [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            graph[m] |= {n for n in names if n in mods and n != m}
-    return graph
-
-
-def _cycles(graph):
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
+from tools.docs_gen.layout import circles as _cycles, import_graph, layers
 
 
 def test_no_import_circle():
@@ -94,6 +33,11 @@ FLOORS = {
 def _role(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def test_layers_count_the_longest_import_chain_with_a_circle_as_one_node():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"b", "d"}, "d": set(), "e": set()}
+    assert layers(graph) == {"a": 3, "b": 2, "c": 2, "d": 1, "e": 1}
 
 
 def test_roles_import_only_downwards():

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from roundalign.engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
-from roundalign.numerics.engines import CPU_ENGINES, GPU_ENGINES
+from roundalign.numerics.engines import CPU_ENGINES, DEFAULT_ENGINE, GPU_ENGINES
 from roundalign.numerics.engines import names as engine_names, spec as engine_spec
 from roundalign.numerics.plan import KERNEL_MODES, VARIANTS
 
@@ -141,7 +141,7 @@ _define("backend", "engine", str,
         "emulated": "the emulated engine, in-process on the CPU (train: through TRL's rollout_func)",
         "vllm": "real vLLM, its CUDA build on a GPU or its CPU build for the vllm-cpu engines"}) + ".")
 _define("engine", "engine", str,
-    "vllm-compiled", choices=engine_names,
+    DEFAULT_ENGINE, choices=engine_names,
     help="Engine rounding to align to and, for vllm, the vLLM mode launched: "
          + _one_of(GPU_ENGINES, {e: engine_spec(e).help for e in GPU_ENGINES})
          + " on a GPU; "
@@ -159,7 +159,8 @@ _define("engine_gemm", "engine", str,
     help="Emulated engine only: " + _one_of(ENGINE_GEMMS, {"same": "the trainer's GEMMs"}) + ".")
 _define("engine_attn_decode", "engine", str | None,
     None, choices=ENGINE_ATTN_IMPLS,
-    none_means="the same as attn", help="Emulated engine only: attention kernel of decode steps (one new token against the KV cache), "
+    none_means="the same as attn",
+    help="Emulated engine only: attention kernel of decode steps (one new token against the KV cache), "
          f"{_one_of(ENGINE_ATTN_IMPLS)}; None = the same as `attn` (prefill always uses `attn`). A value other "
          "than `attn` stands in for inference engines that decode with another kernel than they prefill.")
 _define("engine_norm_reduction", "engine", str,
@@ -173,7 +174,8 @@ _define("engine_kv_cache_dtype", "engine", str,
          f"{_one_of(KV_CACHE_DTYPES, {'auto': 'model dtype'}, last=', ')}; the fp8 formats store K/V quantized, "
          "with scale 1.0.")
 _define("engine_dose_bits", "engine", int,
-    7, at_least=1, at_most=7, help="Emulated eager engines only (vllm-eager, vllm-cpu-eager): a rounding dose at the aligned regions "
+    7, at_least=1, at_most=7,
+    help="Emulated eager engines only (vllm-eager, vllm-cpu-eager): a rounding dose at the aligned regions "
             "(roundalign.numerics.dose): the engine rounds every RMSNorm output, the RoPE'd q/k and the SwiGLU "
             "output to this many mantissa bits (7 = bf16, no dose; 3 = fp8 e4m3's mantissa). The trainer rounds "
             "the regions its variant aligns the same way, with a straight-through gradient.")
@@ -215,7 +217,8 @@ _define("digits_op", "task", str,
 _define("digits_min_len", "task", int, 8, at_least=1, help="task=digits: shortest digit string, in digits (= tokens).")
 _define("digits_max_len", "task", int, 32, at_least=1, help="task=digits: longest digit string, in digits.")
 _define("digits_len_step", "task", int,
-    1, at_least=1, help="task=digits: step between string lengths, in digits: lengths are digits_min_len, digits_min_len + "
+    1, at_least=1,
+    help="task=digits: step between string lengths, in digits: lengths are digits_min_len, digits_min_len + "
             "step, ..., <= digits_max_len (fewer distinct prompt lengths = fewer engine decode groups per step, "
             "since the engine never pads).")
 _define("steps", "training", int, 20, at_least=1, help="Optimizer steps (GRPO iterations).")
@@ -229,13 +232,16 @@ _define("prompts_per_step", "training", int,
     4, at_least=1, help="Distinct prompts per optimizer step (each sampled num_generations times).")
 _define("num_generations", "sampling", int, 4, at_least=1, help="Completions per prompt (the GRPO group size).")
 _define("per_device_batch_size", "training", int,
-    16, at_least=1, help="Completions per forward/backward micro-batch, per device. Gradient accumulation makes up the rest: "
+    16, at_least=1,
+    help="Completions per forward/backward micro-batch, per device. Gradient accumulation makes up the rest: "
              "prompts_per_step x num_generations completions per step = per_device_batch_size x number of "
              "devices x accumulation steps.")
 _define("max_completion_length", "sampling", int, 8, at_least=1, help="Completion cap, in tokens.")
-_define("max_prompt_length", "sampling", int, 512, at_least=1, help="Prompts longer than this are dropped from the dataset, in tokens.")
+_define("max_prompt_length", "sampling", int, 512, at_least=1,
+        help="Prompts longer than this are dropped from the dataset, in tokens.")
 _define("temperature", "sampling", float, 1.0, above=0, help="Sampling temperature (both sides divide logits by it).")
-_define("beta", "training", float, 0.0, help="KL coefficient against the reference policy (0 = no reference model, no KL).")
+_define("beta", "training", float, 0.0,
+        help="KL coefficient against the reference policy (0 = no reference model, no KL).")
 _define("epsilon", "training", float, 0.2, help="PPO clip range (lower and upper).")
 _define("loss_type", "training", str,
     "dapo", choices=LOSS_TYPES, help=f"TRL loss aggregation: {_one_of(LOSS_TYPES, quote=False)}.")
@@ -261,7 +267,8 @@ _define("reward_collapse_drop", "run", float,
     0.5, help="Flag reward collapse when the rolling mean falls below this fraction of its best value so far "
               "(after one full window).")
 _define("reward_collapse_patience", "run", int,
-    1, at_least=1, help="Flag reward collapse only once the rolling mean has stayed below the reward_collapse_drop line for "
+    1, at_least=1,
+    help="Flag reward collapse only once the rolling mean has stayed below the reward_collapse_drop line for "
             "this many consecutive steps (1 = the first such step flags it).")
 _define("grad_norm_collapse_factor", "run", float,
     0.0, help="Flag a gradient-norm collapse when the (pre-clipping) gradient norm exceeds this multiple of the "
@@ -290,10 +297,12 @@ _define("vllm_cpu_gemm", "engine", str,
                   "AMX), with the weights kept in place: after each TRL weight sync vLLM's own dispatch runs "
                   "again and prepacks the new weights (bridge.vllm_cpu.install_repack_gemm_dispatch)"}) + ".")
 _define("heldout_prompts", "task", int,
-    0, at_least=0, help="Held-out problems on which the policy's reward is measured by the engine before the first step and "
+    0, at_least=0,
+    help="Held-out problems on which the policy's reward is measured by the engine before the first step and "
             "after the last (run.json heldout_initial / heldout_final; roundalign.training.heldout); 0 = off. "
             "Task digits or arith; the emulated engine or TRL's colocated vLLM engine.")
-_define("heldout_samples", "task", int, 4, at_least=1, help="Engine samples per held-out problem (at the run's temperature).")
+_define("heldout_samples", "task", int, 4, at_least=1,
+        help="Engine samples per held-out problem (at the run's temperature).")
 _define("mismatch_metrics", "run", bool,
     True, help="Log the full mismatch set (costs one extra no-grad forward per step).")
 

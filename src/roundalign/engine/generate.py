@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from roundalign.engine.model import EngineModel
 from roundalign.numerics.sampler import apply_temperature as _apply_temperature
+from roundalign.numerics.engines import DEFAULT_ENGINE
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Engine:
     reach the engine only through ``sync_weights``.
     """
 
-    def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
+    def __init__(self, model: nn.Module, engine: str = DEFAULT_ENGINE, attn: str = "eager", gemm: str = "same",
                  splitk_chunk: int = 64, norm_reduction: str = "opaque", attn_decode: str | None = None,
                  lm_head_fp32: bool = False, kv_cache_dtype: str = "auto", dose_bits: int = 7):
         self.model = EngineModel(model, engine=engine, attn=attn, gemm=gemm, splitk_chunk=splitk_chunk,

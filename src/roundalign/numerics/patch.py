@@ -78,7 +78,7 @@ from torch import nn
 from roundalign.numerics import mantissa
 from roundalign.numerics import moe
 from roundalign.numerics import regions
-from roundalign.numerics.engines import spec
+from roundalign.numerics.engines import DEFAULT_ENGINE, spec, with_moe
 from roundalign.numerics.families import FAMILIES, family_of_class, not_aligned_yet, rope_type, supported_model_classes
 from roundalign.numerics.plan import RoundingPlan, check_engine, check_variant, default_kernel_mode, plan_for
 
@@ -479,9 +479,9 @@ def _moe_setting(model: nn.Module, trunk: nn.Module, variant: str, engine: str, 
     family = family_of_class(type(model).__name__)
     if not family.moe or variant == "baseline":
         return None
-    if engine not in moe.ROUTER:
+    if moe.router(engine) is None:
         raise ValueError(f"{type(model).__name__}: the MoE block's rounding is measured against "
-                         f"{', '.join(moe.ROUTER)} only; {engine!r} has no MoE map (docs/numerics.md, Qwen3-MoE)")
+                         f"{', '.join(with_moe())} only; {engine!r} has no MoE map (docs/numerics.md, Qwen3-MoE)")
     dtype = trunk.norm.weight.dtype
     if dtype == torch.float16:
         raise ValueError(f"{type(model).__name__}: the MoE alignment is measured for bf16 models (vLLM-CPU's AMX "
@@ -490,13 +490,13 @@ def _moe_setting(model: nn.Module, trunk: nn.Module, variant: str, engine: str, 
         return None
     isa = moe.engine_isa() if moe_isa is None else moe_isa
     moe.check_block(trunk.config, isa)
-    if not trunk.config.norm_topk_prob and moe.ROUTER[engine] == "fp32":
+    if not trunk.config.norm_topk_prob and moe.router(engine) == "fp32":
         raise ValueError(f"{type(model).__name__} with norm_topk_prob=False: {engine!r}'s router is measured for "
                          "norm_topk_prob=True only")
-    return moe.ROUTER[engine], isa
+    return moe.router(engine), isa
 
 
-def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled", kernels: str | None = None,
+def apply_alignment(model: nn.Module, variant: str, engine: str = DEFAULT_ENGINE, kernels: str | None = None,
                     norm_sum_orders=None, moe_isa: str | None = None) -> nn.Module:
     """Make ``model`` round like ``engine`` in the regions ``variant`` selects; in place, returns ``model``.
 
@@ -601,7 +601,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = "vllm-compiled
 def alignment_of(model: nn.Module) -> tuple[str, str, str]:
     """``(variant, engine, kernels)`` last applied to ``model``; ``("baseline", "vllm-compiled", "eager")`` if
     never aligned."""
-    return getattr(model, _STATE_ATTR, ("baseline", "vllm-compiled", "eager"))
+    return getattr(model, _STATE_ATTR, ("baseline", DEFAULT_ENGINE, "eager"))
 
 
 def recorded_alignment(config) -> tuple[str, str, str] | None:

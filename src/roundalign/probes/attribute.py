@@ -71,7 +71,7 @@ import torch
 
 from roundalign.engine.choices import ENGINE_ATTN_IMPLS, ENGINE_GEMMS
 from roundalign.engine.model import check_choice
-from roundalign.numerics.engines import is_cpu
+from roundalign.numerics.engines import DEFAULT_CPU_ENGINE, is_cpu
 from roundalign.settings import (BACKENDS, LOGPROBS_MODES, SOURCES, TRAINER_ATTNS, VLLM_GEMMS,  # noqa: F401
                                  check, configclass, refuse_unused, use)
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
@@ -85,7 +85,7 @@ class AttributeConfig:
     holds its help; ``roundalign attribute --help`` and docs/settings.md show it."""
 
     model: str = use("model")
-    engine: str = use("engine", default="vllm-cpu-eager")
+    engine: str = use("engine", default=DEFAULT_CPU_ENGINE)
     backend: str = use("backend", default="vllm")
     num_prompts: int = use("num_prompts", default=16, flag="prompts")
     max_new_tokens: int = use("max_new_tokens", default=24)
@@ -189,7 +189,6 @@ def vllm_engine_side(prompts, cfg: AttributeConfig, log=print) -> EngineData:
 
     from roundalign.bridge.vllm_guard import check_engine_map
     from roundalign.models.load import vllm_dtype
-    from roundalign.numerics.engines import is_cpu
     from roundalign.probes.probe_real import sample_with_logprobs, shutdown_llm, teacher_forced
 
     cpu = is_cpu(cfg.engine)
@@ -256,8 +255,6 @@ def present_sources(cfg: AttributeConfig, data: EngineData) -> dict[str, str | N
         "rounding": None,
     }
     if vllm:
-        from roundalign.numerics.engines import is_cpu
-
         if not is_cpu(cfg.engine):
             if why["attention"] is None:
                 why["attention"] = ("the trainer's copy of vLLM's CUDA attention (attn: vllm_flash) is not wired into "
@@ -529,7 +526,6 @@ def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: 
 
     out = Path(out_dir)
     check_writable(out / "attribution.csv")
-    from roundalign.numerics.engines import is_cpu
 
     device = device or ("cuda" if cfg.backend == "vllm" and not is_cpu(cfg.engine) else "cpu")
     if cfg.backend == "vllm":  # the real engine can run here (vLLM's CPU build, or CUDA vLLM and a GPU)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from roundalign.training.config import TRAIN_VARIANTS, ConfigError, build_config
-from roundalign.numerics.engines import names
+from roundalign.numerics.engines import DEFAULT_ENGINE, names
 
 
 @functools.cache
@@ -174,7 +174,7 @@ class Sweep:
         probe = self.config.get("probe") or {}
         return {"prompts": 16, "max_new_tokens": None, "resamples": 1000, "seed": 0, "extra_args": "", **a,
                 "backend": a.get("backend") or probe.get("backend", "emulated"),
-                "engines": list(a.get("engines") or probe.get("engines") or ["vllm-compiled"]),
+                "engines": list(a.get("engines") or probe.get("engines") or [DEFAULT_ENGINE]),
                 "context_tokens": a.get("context_tokens") if a.get("context_tokens") is not None
                 else probe.get("context_tokens", 0)}
 
