@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from roundalign.probes import attribute as A
+from roundalign.probes import attribute as A, attribution_stats
 
 torch.set_num_threads(1)
 
@@ -65,7 +65,7 @@ def test_the_table_is_long_form_and_the_cumulative_shares_add_up(everything):
     with open(out / "attribution.csv") as f:
         read = list(csv.DictReader(f))
     assert list(read[0]) == ["step", "source", "mode", "metric", "value", "ci_low", "ci_high"] and len(read) == len(rows)
-    assert {r["metric"] for r in read} == {*A.METRICS, "k3_removed"}
+    assert {r["metric"] for r in read} == {*attribution_stats.METRICS, "k3_removed"}
     removed = sum(v for (s, _, mode, m), v in table.items() if mode == "cumulative" and m == "k3_removed")
     assert removed == pytest.approx(table[(0, "none", "cumulative", "k3")], rel=1e-9)
     for r in rows:  # every value sits in its interval (a point estimate of resampled means: not a strict rule, but

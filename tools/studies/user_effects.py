@@ -31,10 +31,10 @@ import torch  # noqa: E402
 
 
 def _stats(train, ref) -> dict:
-    from roundalign.probes.attribute import _metrics, _per_sequence
+    from roundalign.probes.attribution_stats import per_sequence, resample_metrics
 
-    s = _per_sequence(train, ref)
-    m = _metrics(s, torch.arange(len(train)))
+    s = per_sequence(train, ref)
+    m = resample_metrics(s, torch.arange(len(train)))
     deltas = torch.cat([t.double() - r.double() for t, r in zip(train, ref)])
     # a trainer that masks top-k/top-p on its own logits can leave out a token the engine kept and sampled (the
     # two sets differ where the logits do): its logprob is then -inf

@@ -72,11 +72,11 @@ import torch
 from roundalign.engine.choices import ENGINE_ATTN_IMPLS, ENGINE_GEMMS
 from roundalign.engine.model import check_choice
 from roundalign.numerics.engines import DEFAULT_CPU_ENGINE, is_cpu
+from roundalign.probes.attribution_stats import attribution_rows, per_sequence, resample_metrics, steps_of
 from roundalign.settings import (BACKENDS, LOGPROBS_MODES, SOURCES, TRAINER_ATTNS, VLLM_GEMMS,  # noqa: F401
                                  check, configclass, refuse_unused, use)
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
 
-METRICS = ("k3", "abs_dlogp", "exact_frac", "seq_log_ratio", "is_ratio_mean", "is_ratio_max")
 
 
 @configclass
@@ -446,74 +446,6 @@ def reference_logprobs(data: EngineData, state: frozenset) -> list[torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Numbers
-
-
-def _per_sequence(train: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-sequence sums (float64) from which every metric of a resample is a ratio of sums or a mean."""
-    stats = {k: [] for k in ("k3", "abs", "exact", "n", "seq")}
-    for t, r in zip(train, ref, strict=True):
-        d = t.double() - r.double()
-        stats["k3"].append((torch.expm1(d) - d).sum())
-        stats["abs"].append(d.abs().sum())
-        stats["exact"].append((t == r).double().sum())
-        stats["n"].append(torch.tensor(float(len(d)), dtype=torch.float64))
-        stats["seq"].append(d.sum())
-    return {k: torch.stack(v) for k, v in stats.items()}
-
-
-def _metrics(s: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, float]:
-    n = s["n"][idx].sum()
-    seq = s["seq"][idx]
-    return {"k3": float(s["k3"][idx].sum() / n), "abs_dlogp": float(s["abs"][idx].sum() / n),
-            "exact_frac": float(s["exact"][idx].sum() / n), "seq_log_ratio": float(seq.mean()),
-            "is_ratio_mean": float(seq.exp().mean()), "is_ratio_max": float(seq.exp().max())}
-
-
-def _interval(values: list[float]) -> tuple[float, float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    return float(torch.quantile(t, 0.025)), float(torch.quantile(t, 0.975))
-
-
-def steps_of(present: dict[str, str | None]) -> list[tuple[int, str, str, frozenset]]:
-    """(step, source, mode, equalized set) of the waterfall: step 0 ``none``, then each present source
-    cumulatively in SOURCES order, then each alone (numbered as in the cumulative order)."""
-    order = [s for s in SOURCES if present[s] is None]
-    steps = [(0, "none", "cumulative", frozenset())]
-    steps += [(i, s, "cumulative", frozenset(order[:i])) for i, s in enumerate(order, 1)]
-    steps += [(i, s, "alone", frozenset([s])) for i, s in enumerate(order, 1)]
-    return steps
-
-
-def attribution_rows(scored: dict[frozenset, dict[str, torch.Tensor]], steps, num_resamples: int, seed: int):
-    """The long table: every step's metrics with bootstrap intervals over prompts, and the k3 each step removes
-    (paired: the same resamples for every step)."""
-    n = len(next(iter(scored.values()))["n"])
-    g = torch.Generator().manual_seed(seed)
-    draws = [torch.randint(n, (n,), generator=g) for _ in range(num_resamples)]
-    everyone = torch.arange(n)
-    boot = {st: [_metrics(s, idx) for idx in draws] for st, s in scored.items()}
-    point = {st: _metrics(s, everyone) for st, s in scored.items()}
-    rows = []
-    prev_cumulative = frozenset()
-    for step, source, mode, state in steps:
-        for metric in METRICS:
-            lo, hi = _interval([b[metric] for b in boot[state]])
-            rows.append({"step": step, "source": source, "mode": mode, "metric": metric,
-                         "value": point[state][metric], "ci_low": lo, "ci_high": hi})
-        if step == 0:
-            continue
-        base = prev_cumulative if mode == "cumulative" else frozenset()
-        removed = [a["k3"] - b["k3"] for a, b in zip(boot[base], boot[state], strict=True)]
-        lo, hi = _interval(removed)
-        rows.append({"step": step, "source": source, "mode": mode, "metric": "k3_removed",
-                     "value": point[base]["k3"] - point[state]["k3"], "ci_low": lo, "ci_high": hi})
-        if mode == "cumulative":
-            prev_cumulative = state
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The command
 
 
@@ -556,8 +488,8 @@ def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: 
         done = state - frozenset(cfg.undo)  # a negative control claims a step it does not take
         with trainer_state(model, done, cfg, data):
             train = trainer_logprobs(model, data, done, cfg, pad_id)
-        scored[state] = _per_sequence(train, reference_logprobs(data, done))
-        m = _metrics(scored[state], torch.arange(len(train)))
+        scored[state] = per_sequence(train, reference_logprobs(data, done))
+        m = resample_metrics(scored[state], torch.arange(len(train)))
         log(f"[attribute] step {step} {mode:>10} {source:>9}: k3={m['k3']:.3e} |dlogp|={m['abs_dlogp']:.3e} "
             f"exact={m['exact_frac']:.3f} IS mean={m['is_ratio_mean']:.4f} ({time.perf_counter() - t1:.1f}s)")
     rows = attribution_rows(scored, steps, cfg.num_resamples, cfg.seed)
