@@ -391,15 +391,11 @@ def settings_of(cls) -> list[tuple[dataclasses.Field, Setting]]:
     return [(f, SETTINGS[f.metadata["setting"]]) for f in dataclasses.fields(cls) if "setting" in f.metadata]
 
 
-def field_choices(f: dataclasses.Field, s: Setting) -> tuple | None:
-    return f.metadata.get("choices") or s.valid()
-
-
 def check(cfg) -> None:
     """Every setting field of ``cfg``: a valid choice (or None where optional), its items valid, within its bounds;
     SettingError names the first one that is not, and the valid values."""
     for f, s in settings_of(type(cfg)):
-        value, valid = getattr(cfg, f.name), field_choices(f, s)
+        value, valid = getattr(cfg, f.name), f.metadata.get("choices") or s.valid()
         if value is None and s.optional:
             continue
         if valid is not None and value not in valid:

@@ -225,10 +225,6 @@ def setting_type(key: str):
     return setting(key).type
 
 
-def _coerce(key: str, value):
-    return coerce(key, value)
-
-
 def parse_set(items: list[str]) -> dict:
     """``["learning_rate=1e-5", "steps=3"]`` -> dict; values stay strings until coerced."""
     out = {}
@@ -262,7 +258,7 @@ def build_config(base: dict | None = None, file: str | Path | None = None, overr
                 close = difflib.get_close_matches(key, list(_FIELDS), n=3, cutoff=0.6)
                 hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
                 raise ConfigError(f"unknown config key {key!r} (from {origin}); {hint}valid keys: {', '.join(_FIELDS)}")
-            merged[key] = _coerce(key, value)
+            merged[key] = coerce(key, value)
     if "model" not in merged:
         raise ConfigError("no model given (--model or model: in the config)")
     return TrainConfig(**merged)
