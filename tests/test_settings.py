@@ -1,5 +1,6 @@
-"""One source per train setting: each TrainConfig field's help (``metadata["help"]``) is what the CLI, the sweep
-schema's descriptions and docs/settings.md show (tools/docs_gen/settings.py writes the schema blocks and the table)."""
+"""One source per setting: each setting's help in the settings tree (roundalign.settings) is what the CLI, the sweep
+schema's descriptions and docs/settings.md show (tools/docs_gen/settings.py writes the schema blocks and the tables):
+the train keys, and the keys of the sweep's probe: and attribution: (the tree's settings of section sweep)."""
 
 import dataclasses
 import re
@@ -8,7 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from snakemake.utils import validate
 
+from roundalign import settings as tree
 from roundalign.training.config import (ConfigError, TrainConfig, build_config, setting_choices, setting_default,
                                         setting_help, show_value)
 
@@ -197,3 +201,133 @@ def test_the_train_configs_kernels_default_to_the_engines_mode_and_a_named_mode_
     assert kernels(engine="vllm-cpu-compiled", variant="fp32") == "eager"  # fp32: the only bitwise no-op
     assert kernels(backend="vllm", engine="vllm-cpu-compiled", kernels="eager") == "eager"
     assert kernels(engine="vllm-eager", kernels="compiled") == "compiled"
+
+
+SCHEMA = ROOT / "workflow/schemas/sweep.schema.yaml"
+PARTS = ("probe", "attribution")
+
+
+def _schema() -> dict:
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_schema_probe_and_attribution_keys_are_the_trees_sweep_settings(gen, part):
+    """Every key of the sweep's probe: and attribution: is one setting of section sweep, in the schema's order, and
+    its schema entry (type, enum, items, bounds, default, description) is that setting's."""
+    props = _schema()["properties"][part]["properties"]
+    keys = [s.key for s in tree.sweep_settings(part)]
+    assert [f"{part}.{k}" for k in props] == keys
+    for key in keys:
+        s = tree.setting(key)
+        assert s.section == "sweep"
+        assert props[key.partition(".")[2]] == gen.sweep_entry(key), key
+        assert props[key.partition(".")[2]]["description"] == s.help, key
+
+
+def test_a_sweep_key_that_feeds_a_command_setting_shows_its_help_and_says_what_null_means():
+    """A sweep key that passes a setting to roundalign probe or attribute starts its help with that setting's (one
+    text, not a restatement), narrows its choices or item choices only within it, and, where null inherits another
+    key's value, ends by naming it (``none_means``); a key of the sweep's own has help of its own."""
+    fed_keys = set()
+    for part in PARTS:
+        for s in tree.sweep_settings(part):
+            assert s.help.strip() and s.help.endswith("."), s.key
+            if s.feeds is None:
+                continue
+            fed = tree.setting(s.feeds)
+            fed_keys.add(s.feeds)
+            assert fed.section != "sweep" and s.help.startswith(fed.help), s.key
+            valid = fed.valid()
+            if s.choices is not None and valid is not None:
+                assert set(s.choices) - {"same"} <= set(valid), s.key  # "same": probe.trainer_attn's None
+            for item in s.item_choices or ():
+                assert item in (fed.item_choices or valid), (s.key, item)
+            if s.optional:
+                assert s.default is None and s.none_means and s.help.endswith(f"null: {s.none_means}."), s.key
+    assert {"engine", "attn", "trainer_attn", "engine_gemm", "variants", "num_prompts", "max_new_tokens",
+            "context_tokens", "backend", "vllm_gpu_memory_utilization", "num_resamples", "seed"} <= fed_keys
+    own = {s.key for part in PARTS for s in tree.sweep_settings(part) if s.feeds is None}
+    assert own == {"probe.mem_mb", "probe.runtime_min", "attribution.enabled", "attribution.extra_args"}
+
+
+def test_every_committed_sweep_config_validates_against_the_generated_probe_and_attribution_keys():
+    """The configs' probe: and attribution: values are valid and their defaults filled from the tree's settings
+    (an overlay without models: goes onto the smoke sweep, as the Snakefile puts it)."""
+    smoke = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
+    for path in sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs/pilots").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        cfg = cfg if "models" in cfg else {**smoke, **cfg}
+        given = {part: set(cfg.get(part) or {}) for part in PARTS}
+        validate(cfg, str(SCHEMA), set_default=True)
+        for part in PARTS:
+            for s in tree.sweep_settings(part):
+                name = s.key.partition(".")[2]
+                if name not in given[part]:
+                    want = list(s.default) if isinstance(s.default, tuple) else s.default
+                    assert cfg[part][name] == want, (path.name, s.key)
+
+
+def test_check_names_the_sweep_key_whose_setting_help_changed(gen, monkeypatch):
+    """A sweep setting's help changed in the tree (here probe.attn's and attribution.extra_args'), and the committed
+    schema and docs not rewritten: the check names each key; rewriting puts the new help into the probe: and
+    attribution: blocks only."""
+    text = SCHEMA.read_text()
+    for key in ("probe.attn", "attribution.extra_args"):
+        monkeypatch.setitem(tree.SETTINGS, key, dataclasses.replace(tree.SETTINGS[key], help=f"New help of {key}."))
+    problems = gen.check()
+    assert any("probe.attn: description differs" in p for p in problems), problems
+    assert any("attribution.extra_args: description differs" in p for p in problems), problems
+    assert any("docs/settings.md" in p and "probe.attn" in p and "attribution.extra_args" in p for p in problems), \
+        problems
+    rendered = gen.render_schema(text)
+    new = yaml.safe_load(rendered)["properties"]
+    assert new["probe"]["properties"]["attn"]["description"] == "New help of probe.attn."
+    assert new["attribution"]["properties"]["extra_args"]["description"] == "New help of attribution.extra_args."
+    changed = [line for line in rendered.splitlines() if line not in text.splitlines()]
+    assert len(changed) == 2 and all("New help of" in line for line in changed), changed
+
+
+def test_check_names_the_sweep_key_whose_default_or_bounds_changed(gen, monkeypatch):
+    """Not only the help: a sweep setting's default or bound that the schema does not show is named too."""
+    monkeypatch.setitem(tree.SETTINGS, "probe.prompts", dataclasses.replace(tree.SETTINGS["probe.prompts"], default=9))
+    monkeypatch.setitem(tree.SETTINGS, "probe.mem_mb", dataclasses.replace(tree.SETTINGS["probe.mem_mb"], at_least=50))
+    problems = gen.check(SCHEMA, ROOT / "docs/settings.md")
+    assert any("probe.prompts: default differs" in p for p in problems), problems
+    assert any("probe.mem_mb: minimum differs" in p for p in problems), problems
+
+
+def test_check_names_the_sweep_key_whose_schema_entry_was_edited(gen, tmp_path):
+    text = SCHEMA.read_text()
+    block = text.index("# BEGIN attribution settings")
+    old = "description: Bootstrap resamples over prompts."
+    at = text.index(old, block)
+    edited = text[:at] + "description: Resamples." + text[at + len(old):]
+    schema = tmp_path / "sweep.schema.yaml"
+    schema.write_text(edited)
+    problems = gen.check(schema, ROOT / "docs/settings.md")
+    assert len(problems) == 1 and "attribution.resamples: description differs" in problems[0], problems
+    res = subprocess.run([sys.executable, "-m", "tools.docs_gen.settings", "--check", "--schema", str(schema)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "attribution.resamples: description" in res.stderr, res.stderr
+    assert gen.render_schema(edited) == text
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_check_fails_where_a_sweep_block_marker_is_gone(gen, tmp_path, part):
+    schema = tmp_path / "sweep.schema.yaml"
+    schema.write_text("\n".join(line for line in SCHEMA.read_text().splitlines()
+                                if not line.lstrip().startswith(f"# BEGIN {part} settings")) + "\n")
+    problems = gen.check(schema, ROOT / "docs/settings.md")
+    assert len(problems) == 1 and f"'# BEGIN {part} settings'" in problems[0], problems
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_docs_table_of_the_sweep_section_has_one_row_per_key_with_its_help(part):
+    rows = _docs_tables()[f"Sweep `{part}:`"]
+    settings = tree.sweep_settings(part)
+    assert [r.split("|")[1].strip().strip("`") for r in rows] == [s.key for s in settings]
+    for row, s in zip(rows, settings):
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert cells[1] == (f"`{s.feeds}`" if s.feeds else "(sweep)"), s.key
+        assert cells[4] == s.help.replace("|", "\\|"), s.key

@@ -1,12 +1,18 @@
 """The settings tree: every setting of ``roundalign train``, ``probe`` and ``attribute`` defined once.
 
 A setting is one ``Setting`` record, defined here once: its key, its section (model, alignment, engine, sampling,
-task, training, run, probe, attribute), its type, its default, its valid choices and its help. The commands'
+task, training, run, probe, attribute, sweep), its type, its default, its valid choices and its help. The commands'
 configurations (``training.config.TrainConfig``, ``probes.probe.ProbeConfig``, ``probes.attribute.AttributeConfig``)
 are dataclasses whose fields name a setting (``use("engine")``), with a default or a narrower set of choices of their
 own where a command needs one. From the same records come the command line (``add_arguments``), the checks of types,
 choices and bounds (``check``), the refusal of a setting that a command would not use (``refuse_unused``), the sweep
 schema's descriptions and docs/settings.md (``tools`` writes both; tests/test_settings.py holds them to it).
+
+The sweep's ``probe:`` and ``attribution:`` keys are settings too, of section sweep, named by their place
+(``probe.engines``): one that a sweep passes to ``roundalign probe`` or ``attribute`` names that setting
+(``feeds``) and takes its type, choices, bounds and help, with the sweep's own default, narrower choices and what
+``null`` means where they differ (``_sweep``); one that only the sweep reads (``probe.mem_mb``) has its own. The
+schema's ``probe:`` and ``attribution:`` properties are written from them.
 
 As torchtitan's ``JobConfig`` and TRL's config dataclasses do, the help lives beside the definition. The module
 imports neither torch nor transformers: the sweep's checks read it at every Snakemake invocation.
@@ -49,7 +55,7 @@ SOURCES = ("sampling", "decode", "positions", "batching", "lm_head", "kv_cache",
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's, for the sampled tokens' logprobs
 VLLM_GEMMS = ("native", "live")  # vLLM-CPU: its own prepacked GEMM, or F.linear on live weights (training's)
 TRAINER_ATTNS = ("eager", "sdpa")
-SECTIONS = ("model", "alignment", "engine", "sampling", "task", "training", "run", "probe", "attribute")
+SECTIONS = ("model", "alignment", "engine", "sampling", "task", "training", "run", "probe", "attribute", "sweep")
 
 
 class SettingError(ValueError):
@@ -81,10 +87,15 @@ class Setting:
         choices: the valid values, or a function giving them when a value is checked (the engine registry's
             names, so that an engine registered at run time is valid too); None: any value of its type.
         item_choices: for a tuple setting, the valid values of each item.
-        none_means: for an optional setting with choices, what None means (named when a value is refused).
+        none_means: for an optional setting, what None means (named when a value is refused, and in the help of a
+            sweep key, where ``null`` inherits another key's value).
         at_least: the smallest valid value (numbers).
         above: a value the setting must exceed (numbers).
         at_most: the largest valid value (numbers).
+        below: a value the setting must stay under (numbers).
+        min_items: for a tuple setting, the fewest items it may have.
+        feeds: for a sweep key, the command setting it passes on (its type, choices, bounds and help are that
+            setting's unless the sweep's differ); None: a key only the sweep reads.
     """
 
     key: str
@@ -98,6 +109,9 @@ class Setting:
     at_least: float | None = None
     above: float | None = None
     at_most: float | None = None
+    below: float | None = None
+    min_items: int | None = None
+    feeds: str | None = None
 
     @property
     def optional(self) -> bool:
@@ -280,7 +294,7 @@ _define("vllm_mode", "engine", str,
     help="vLLM integration: " + _one_of(VLLM_MODES, {"colocate": "in-process", "server": "`trl vllm-serve`"})
          + ".")
 _define("vllm_gpu_memory_utilization", "engine", float,
-    0.3, help="Fraction of GPU memory vLLM may take in colocate mode.")
+    0.3, help="Fraction of GPU memory vLLM may take (train: in colocate mode).")
 _define("vllm_server_base_url", "engine", str | None,
     None, help="URL of the vLLM server in server mode (None: host/port defaults).")
 _define("vllm_tensor_parallel_size", "engine", int, 1, at_least=1, help="Tensor parallelism of colocated vLLM.")
@@ -350,6 +364,80 @@ _define("sources", "attribute", tuple[str, ...], SOURCES, item_choices=SOURCES,
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# The sweep's probe: and attribution: keys (workflow/schemas/sweep.schema.yaml; roundalign.training.sweep reads them),
+# in the schema's order.
+
+_SWEEP_PARTS = ("probe", "attribution")
+
+
+def _sweep(key: str, feeds: str | None = None, default=dataclasses.MISSING, *, note: str = "", **kw) -> Setting:
+    """Sweep key ``key`` (``part.name``). With ``feeds``, the command setting it passes on: that setting's record
+    with the sweep's own ``default`` and fields ``kw`` where given, and its help followed by the choices the sweep
+    takes where they differ, ``note`` and what ``null`` means (``none_means``); without, a key of the sweep's own
+    (``kw`` gives its type and ``note`` its help)."""
+    if key.partition(".")[0] not in _SWEEP_PARTS:
+        raise ValueError(f"sweep key {key!r}: not in {' or '.join(_SWEEP_PARTS)}")
+    if feeds is None:
+        return _define(key, "sweep", kw.pop("type"), default, help=note, **kw)
+    fed = SETTINGS[feeds]
+    type_ = kw.pop("type", fed.type)
+    fields = {f.name: getattr(fed, f.name) for f in dataclasses.fields(Setting)
+              if f.name not in ("key", "section", "type", "default", "help", "none_means")}
+    fields.update(kw, feeds=feeds)
+    choices = fields["choices"]() if callable(fields["choices"]) else fields["choices"]
+    text = " ".join(filter(None, [
+        fed.help,
+        f"The sweep takes {_one_of(choices)}." if "choices" in kw and choices and choices != fed.valid() else "",
+        note,
+        f"null: {kw['none_means']}." if kw.get("none_means") else ""]))
+    return _define(key, "sweep", type_, fed.default if default is dataclasses.MISSING else default,
+                   **{**fields, "help": text})
+
+
+_sweep("probe.engines", "engine", (DEFAULT_ENGINE,), type=tuple[str, ...], choices=None, item_choices=engine_names(),
+       min_items=1, note="One probe per model and engine.")
+_sweep("probe.attn", "attn", choices=("eager", "sdpa"))
+_sweep("probe.trainer_attn", "trainer_attn", "same", type=str, choices=("same", *ENGINE_ATTN_IMPLS),
+       note="same: probe.attn (the command's None); probe.backend emulated takes only same.")
+_sweep("probe.engine_gemm", "engine_gemm")
+_sweep("probe.variants", "variants")
+_sweep("probe.prompts", "num_prompts")
+_sweep("probe.max_new_tokens", "max_new_tokens")
+_sweep("probe.context_tokens", "context_tokens")
+_sweep("probe.backend", "backend",
+       note="A vllm probe of a GPU engine takes one GPU of the model's kind (gpu_model, cpus_per_gpu, mem_mb).")
+# 0.45: roundalign probe's own default (cli.PROBE_GPU_MEMORY), which the probe refuses to change for backend emulated
+_sweep("probe.gpu_memory_utilization", "vllm_gpu_memory_utilization", 0.45, above=0, below=1,
+       note="probe.backend vllm only.")
+_sweep("probe.mem_mb", None, 4000, type=int, at_least=100,
+       note="Host memory of a probe or attribution job on the CPU (the emulated engine or vLLM's CPU build), in MB.")
+_sweep("probe.runtime_min", None, 30, type=int, at_least=1,
+       note="Time limit of a probe or attribution job, in minutes (a model's probe_runtime_min overrides it).")
+_sweep("attribution.enabled", None, False, type=bool,
+       note="Run the attribution jobs and include their outputs (and fig_attribution) in the sweep's all target.")
+_sweep("attribution.backend", "backend", None, type=str | None, none_means="probe.backend")
+_sweep("attribution.engines", "engine", None, type=tuple[str, ...] | None, choices=None,
+       item_choices=engine_names(), min_items=1, none_means="probe.engines",
+       note="One attribution job per model and engine (and the rounding the rounding source aligns to).")
+_sweep("attribution.prompts", "num_prompts", 16, note="The bootstrap intervals resample them.")
+_sweep("attribution.max_new_tokens", "max_new_tokens", None, type=int | None,
+       none_means="the model's train max_completion_length")
+_sweep("attribution.context_tokens", "context_tokens", None, type=int | None, none_means="probe.context_tokens")
+_sweep("attribution.resamples", "num_resamples")
+_sweep("attribution.seed", "seed", at_least=0)
+_sweep("attribution.extra_args", None, "", type=str,
+       note="Further `roundalign attribute` flags, appended as given (e.g. \"--sources sampling,decode,rounding\" or "
+            "\"--top-p 0.9\"); they may override the derived settings above.")
+
+
+def sweep_settings(part: str) -> list[Setting]:
+    """The keys of the sweep's ``part:`` (probe or attribution), in the schema's order."""
+    if part not in _SWEEP_PARTS:
+        raise ValueError(f"no sweep part {part!r}; parts: {', '.join(_SWEEP_PARTS)}")
+    return [s for s in SETTINGS.values() if s.section == "sweep" and s.key.partition(".")[0] == part]
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Reading the tree
 
 
@@ -407,6 +495,8 @@ def check(cfg) -> None:
             for item in value:
                 if item not in s.item_choices:
                     raise SettingError(f"{f.name}: {item!r} is not valid; choose from: {', '.join(s.item_choices)}")
+        if s.min_items is not None and len(value) < s.min_items:
+            raise SettingError(f"{f.name}: give at least {s.min_items} item(s)")
         if s.type in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
                                        or (s.type is int and not isinstance(value, int))):
             raise SettingError(f"{f.name}={value!r} is not a valid {s.type.__name__}")
@@ -416,6 +506,8 @@ def check(cfg) -> None:
             raise SettingError(f"{f.name}={value} must be > {s.above}")
         if s.at_most is not None and value > s.at_most:
             raise SettingError(f"{f.name}={value} must be <= {s.at_most}")
+        if s.below is not None and not value < s.below:
+            raise SettingError(f"{f.name}={value} must be < {s.below}")
 
 
 def refuse_unused(cfg, rules: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
