@@ -11,27 +11,37 @@ Examples::
         --max-new-tokens 16 --seed 0 --out results/probe/tiny-qwen3.csv
 
 This module only parses arguments and calls ``run_<verb>``; every argument is validated (with the valid
-choices named) before a model is loaded.
+choices named) before a model is loaded. Each verb imports its own stack when it runs (the imports marked
+``lazy``): the figure verbs (``FIGURE_VERBS``) never load torch, and ``--help`` stays quick.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-from pathlib import Path
+import shutil
+import socket
 import sys
+import textwrap
+from pathlib import Path
+
+from roundalign.numerics.engines import is_cpu
+from roundalign.settings import SettingError, add_argument, add_arguments, from_args
+from roundalign.training.config import (TrainConfig, build_config, parse_set, setting_default, setting_help,
+                                        setting_type, show_value)
 
 
 def _setup_runtime() -> None:
     # On small CPU machines torch with >1 thread made step times swing by 10x; default to 1 unless asked.
-    import torch
-    from transformers.utils import logging as hf_logging
+    import torch  # noqa: PLC0415 -- lazy: torch, off the figure verbs
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 -- lazy: off the figure verbs
 
-    from roundalign.envinfo import torch_threads
+    from roundalign.envinfo import torch_threads  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
     torch.set_num_threads(torch_threads())
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown our own progress lines
-    import datasets
+    import datasets  # noqa: PLC0415 -- lazy: off the figure verbs
 
     datasets.disable_progress_bars()
 
@@ -89,16 +99,12 @@ TRAIN_FLAGS = ("model", "variant", "seed", "backend", "engine", "attn", "task", 
 def train_flag_help(key: str) -> str:
     """The help of ``roundalign train --<key>``: the setting's own help (TrainConfig's field metadata), with its
     default (or, for model, where else it may be given)."""
-    from roundalign.training.config import setting_default, setting_help, show_value
-
     if key == "model":
         return f"required (here or as `model:` in --config): {setting_help(key)}"
     return f"{setting_help(key)} (default {show_value(setting_default(key))})"
 
 
 def _add_train_flag(parser: argparse.ArgumentParser, key: str) -> None:
-    from roundalign.training.config import setting_type
-
     parser.add_argument("--" + key.replace("_", "-"), dest=key, type=int if setting_type(key) is int else None,
                         help=train_flag_help(key).replace("%", "%%"))
 
@@ -106,12 +112,6 @@ def _add_train_flag(parser: argparse.ArgumentParser, key: str) -> None:
 def train_settings_epilog(width: int | None = None) -> str:
     """Every train setting (the keys of --config and --set) with its default and help, from TrainConfig's field
     metadata, as ``roundalign train --help`` ends; wrapped at ``width`` (default: the terminal's, as argparse)."""
-    import dataclasses
-    import shutil
-    import textwrap
-
-    from roundalign.training.config import TrainConfig, setting_help, show_value
-
     width = width or min(shutil.get_terminal_size().columns - 2, 118)
     lines = textwrap.wrap("train settings (keys of the --config YAML file and of --set KEY=VALUE; "
                           "docs/settings.md):", width)
@@ -125,10 +125,9 @@ def train_settings_epilog(width: int | None = None) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     # the command verbs' modules import torch: ~3 s that the figure verbs' parser (above) does without
-    from roundalign.models.tiny import ARCHS
-    from roundalign.probes.attribute import AttributeConfig
-    from roundalign.probes.probe import ProbeConfig
-    from roundalign.settings import add_argument, add_arguments
+    from roundalign.models.tiny import ARCHS  # noqa: PLC0415 -- lazy: torch, off the figure verbs
+    from roundalign.probes.attribute import AttributeConfig  # noqa: PLC0415 -- lazy: torch, off the figure verbs
+    from roundalign.probes.probe import ProbeConfig  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
     p = argparse.ArgumentParser(prog="roundalign", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,19 +225,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def run_fetch_model(args) -> None:
-    from roundalign.models.fetch import fetch_model
+    from roundalign.models.fetch import fetch_model  # noqa: PLC0415 -- lazy: hub, datasets
 
     fetch_model(args.hub_id, args.out, revision=args.revision)
 
 
 def run_prepare_data(args) -> None:
-    from roundalign.models.fetch import prepare_math_data
+    from roundalign.models.fetch import prepare_math_data  # noqa: PLC0415 -- lazy: hub, datasets
 
     prepare_math_data(args.dataset, args.split, args.out)
 
 
 def run_make_tiny(args) -> None:
-    from roundalign.models.tiny import make_tiny
+    from roundalign.models.tiny import make_tiny  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
     out = make_tiny(args.arch, args.out, hidden=args.hidden, layers=args.layers, heads=args.heads,
                     kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab, tie=args.tie,
@@ -253,9 +252,7 @@ PROBE_CPU_GEMMS = ("stock", "live")
 
 
 def run_probe_cli(args) -> None:
-    from roundalign.numerics.engines import is_cpu
-    from roundalign.probes.probe import ProbeConfig, run_probe
-    from roundalign.settings import SettingError, from_args
+    from roundalign.probes.probe import ProbeConfig, run_probe  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
     cfg = from_args(ProbeConfig, args)
     if args.backend == "emulated" and (args.device is not None or args.gpu_memory_utilization != PROBE_GPU_MEMORY):
@@ -271,13 +268,13 @@ def run_probe_cli(args) -> None:
                            "rescores on the CPU too (leave --device out, or give cpu)")
     _setup_runtime()
     if args.backend == "vllm":
-        from roundalign.probes.probe_real import run_probe_real
+        from roundalign.probes.probe_real import run_probe_real  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
         if is_cpu(cfg.engine):
             # vLLM's CPU build in this process: its model (hooks, GEMM dispatch) is then readable; a 1 GiB KV
             # cache is plenty for probe-sized requests and changes no numerics
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            from roundalign.bridge import vllm_cpu
+            from roundalign.bridge import vllm_cpu  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
             vllm_cpu.small_kv_cache()
             if args.vllm_cpu_gemm == "live":
@@ -290,17 +287,14 @@ def run_probe_cli(args) -> None:
 
 
 def run_attribute_cli(args) -> None:
-    from roundalign.probes.attribute import AttributeConfig, run_attribute
-    from roundalign.settings import from_args
+    from roundalign.probes.attribute import AttributeConfig, run_attribute  # noqa: PLC0415 -- lazy: torch
 
     cfg = from_args(AttributeConfig, args)
     _setup_runtime()
-    from roundalign.numerics.engines import is_cpu
-
     if cfg.backend == "vllm" and is_cpu(cfg.engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's model readable in this process
     rows = run_attribute(cfg, args.out)
-    from roundalign.analysis.plots.fig_attribution import draw_waterfall
+    from roundalign.analysis.plots.fig_attribution import draw_waterfall  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
     model = Path(cfg.model.rstrip("/"))
     name = model.parent.name if model.name == "policy" and model.parent.name else model.name  # a sweep's policy dir
@@ -309,24 +303,23 @@ def run_attribute_cli(args) -> None:
 
 
 def run_train_cli(args) -> int:
-    from roundalign.training.config import build_config, parse_set
-    from roundalign.training.train import run_train
+    from roundalign.training.train import run_train  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
     flags = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
     cfg = build_config(file=args.config, overrides={**flags, **parse_set(args.overrides)})
     _setup_runtime()
-    from roundalign.training.distributed import rank_log
+    from roundalign.training.distributed import rank_log  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
     result = run_train(cfg, args.out, log=rank_log())  # under accelerate launch: lines say which rank printed them
     if args.export and result.status in ("done", "collapsed"):
-        from roundalign.training.train import export_run
+        from roundalign.training.train import export_run  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
         export_run(result.out_dir, args.export)
     return result.exit_code
 
 
 def run_pretrain_tiny(args) -> None:
-    from roundalign.models.pretrain import pretrain_tiny
+    from roundalign.models.pretrain import pretrain_tiny  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
     _setup_runtime()
     pretrain_tiny(args.model, args.out, steps=args.steps, learning_rate=args.lr, batch_size=args.batch_size,
@@ -336,40 +329,40 @@ def run_pretrain_tiny(args) -> None:
 
 
 def run_aggregate(args) -> None:
-    from roundalign.analysis.aggregate import aggregate
+    from roundalign.analysis.aggregate import aggregate  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
     aggregate(args.results, args.out, strict=args.strict, sweep=args.sweep, metrics=args.metrics)
     if args.stress_dose_key:
-        from roundalign.analysis.stress import write_stress_tables
+        from roundalign.analysis.stress import write_stress_tables  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
         write_stress_tables(args.results, args.out, args.stress_dose_key, floor=args.stress_floor,
                             gap_metric=args.stress_gap_metric, sweep=args.sweep)
         if args.stress_dose_key == "engine_dose_bits":  # the dose experiment: its outcome per run (analysis/dose.py)
-            from roundalign.analysis.dose import write_dose_tables
+            from roundalign.analysis.dose import write_dose_tables  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
             write_dose_tables(args.out)
 
 
 def run_dose_probe(args) -> None:
-    from roundalign.analysis.dose import write_dose_probe
+    from roundalign.analysis.dose import write_dose_probe  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
     print(f"[dose-probe] wrote {write_dose_probe(args.probes, args.out)}")
 
 
 def run_plot_stress(args) -> None:
-    from roundalign.analysis.plots.stress import make
+    from roundalign.analysis.plots.stress import make  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
     make(args.aggregate, args.out, tuple(f for f in args.formats.split(",") if f))
 
 
 def run_plot_dose(args) -> None:
-    from roundalign.analysis.plots.dose import make
+    from roundalign.analysis.plots.dose import make  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
     make(args.aggregate, args.out, tuple(f for f in args.formats.split(",") if f))
 
 
 def run_plot(args) -> None:
-    from roundalign.analysis.plots import make_sweeps
+    from roundalign.analysis.plots import make_sweeps  # noqa: PLC0415 -- lazy: pandas, matplotlib
 
     if len(args.aggregate) != len(args.out):
         raise ValueError(f"{len(args.aggregate)} --aggregate directories but {len(args.out)} --out directories: "
@@ -392,8 +385,6 @@ def claim_free_master_port() -> None:
     `roundalign train --backend vllm` side by side). Under accelerate launch / torchrun the launcher's port stands."""
     if os.environ.get("WORLD_SIZE") or os.environ.get("MASTER_PORT"):
         return
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])

@@ -463,15 +463,15 @@ def test_the_keyword_check_is_not_vacuous(model_dir):
 
 
 def test_a_gpu_map_puts_the_trainer_on_cuda_by_default(model_dir, tmp_path, monkeypatch):
-    from roundalign.probes import probe_real
+    from roundalign.probes import real_engine
 
     seen = {}
 
-    def stop(cfg, device, log=print):
+    def stop(engine, device, log=print):
         seen["device"] = device
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(probe_real, "preflight", stop)
+    monkeypatch.setattr(real_engine, "preflight", stop)
     with pytest.raises(RuntimeError, match="stop here"):
         A.run_attribute(A.AttributeConfig(model=model_dir, engine="vllm-eager", backend="vllm"), tmp_path,
                         log=lambda *_: None)
@@ -480,23 +480,23 @@ def test_a_gpu_map_puts_the_trainer_on_cuda_by_default(model_dir, tmp_path, monk
 
 def test_preflight_of_a_gpu_map_asks_for_cuda_torch_and_a_usable_gpu(model_dir, monkeypatch):
     from roundalign import gpuinfo
-    from roundalign.probes.probe import ProbeConfig
-    from roundalign.probes.probe_real import preflight
+    from roundalign.numerics.engines import spec
+    from roundalign.probes.real_engine import preflight
 
-    cfg = ProbeConfig(model=model_dir, engine="vllm-eager")
+    record = spec("vllm-eager")
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(RuntimeError, match="vllm-cpu-compiled or vllm-cpu-eager"):
-        preflight(cfg, "cuda", log=lambda *_: None)
+        preflight("vllm-eager", "cuda", log=lambda *_: None)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     report = {"torch": torch.__version__, "torch_cuda": "12.8", "driver": "570.1", "gpus": ["NVIDIA H200"],
               "cuda_available": True, "problem": None}
     monkeypatch.setattr(gpuinfo, "cuda_report", lambda: report)
     logs = []
-    assert preflight(cfg, "cuda", log=logs.append) == "cuda" and "NVIDIA H200" in logs[0]
+    assert preflight("vllm-eager", "cuda", log=logs.append) == (record, "cuda") and "NVIDIA H200" in logs[0]
     monkeypatch.setattr(gpuinfo, "cuda_report", lambda: {**report, "problem": "torch sees no CUDA GPU"})
     with pytest.raises(RuntimeError, match="usable CUDA GPU: torch sees no CUDA GPU"):
-        preflight(cfg, "cuda", log=lambda *_: None)
-    assert preflight(cfg, "cpu", log=lambda *_: None) == "cpu"  # the trainer may be put on the CPU (these tests)
+        preflight("vllm-eager", "cuda", log=lambda *_: None)
+    assert preflight("vllm-eager", "cpu", log=lambda *_: None) == (record, "cpu")  # the trainer may be put on the CPU (these tests)
 
 
 # ---------------------------------------------------------------------------------------------------------------

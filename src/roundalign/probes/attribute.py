@@ -62,16 +62,29 @@ Outputs in ``--out``:
 
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
+from roundalign.bridge import vllm_cpu, vllm_cpu_attention
+from roundalign.bridge.vllm_internals import cpu_gemm_utils
+from roundalign.engine import Engine
 from roundalign.engine.choices import ENGINE_ATTN_IMPLS, ENGINE_GEMMS
-from roundalign.engine.model import check_choice
-from roundalign.numerics.engines import DEFAULT_CPU_ENGINE, is_cpu
+from roundalign.engine.compiled import splitk_linear
+from roundalign.engine.model import check_choice, fp8_kv_roundtrip
+from roundalign.envinfo import environment_info
+from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
+from roundalign.numerics import apply_alignment
+from roundalign.numerics.engines import DEFAULT_CPU_ENGINE, is_cpu, spec
+from roundalign.probes import real_engine
+from roundalign.probes.probe import ProbeConfig, _prompts
 from roundalign.probes.attribution_stats import attribution_rows, per_sequence, resample_metrics, steps_of
 from roundalign.settings import (BACKENDS, LOGPROBS_MODES, SOURCES, TRAINER_ATTNS, VLLM_GEMMS,  # noqa: F401
                                  check, configclass, refuse_unused, use)
@@ -164,8 +177,6 @@ class EngineData:
 
 def emulated_engine_side(model, prompts, cfg: AttributeConfig, eos_token_id, log=print) -> EngineData:
     """The emulated engine samples; the same tokens are then scored in one prefill."""
-    from roundalign.engine import Engine
-
     engine = Engine(model, engine=cfg.engine, attn=cfg.engine_attn, gemm=cfg.gemm, splitk_chunk=cfg.splitk_chunk,
                     kv_cache_dtype=cfg.kv_cache_dtype, lm_head_fp32=cfg.engine_lm_head_fp32,
                     attn_decode=cfg.engine_attn_decode)
@@ -185,47 +196,22 @@ def vllm_engine_side(prompts, cfg: AttributeConfig, log=print) -> EngineData:
     """Real vLLM (the CPU build here, CUDA vLLM on a GPU) samples with the given sampling settings and returns
     its logprobs in ``logprobs_mode``; then scores the same tokens in one prefill each (``prompt_logprobs``: the
     raw log-softmax, which is the processed one at T = 1 without top-k/top-p, and only there comparable)."""
-    import vllm
-
-    from roundalign.bridge.vllm_guard import check_engine_map
-    from roundalign.models.load import vllm_dtype
-    from roundalign.probes.probe_real import sample_with_logprobs, shutdown_llm, teacher_forced
-
-    cpu = is_cpu(cfg.engine)
-    if cpu:
-        from roundalign.bridge import vllm_cpu
-
+    record = spec(cfg.engine)
+    if record.cpu:
         vllm_cpu.small_kv_cache()
         (vllm_cpu.install_live_gemm_dispatch if cfg.gemm == "live" else vllm_cpu.uninstall_live_gemm_dispatch)()
-    max_len = max(map(len, prompts)) + cfg.max_new_tokens + 8
-    kwargs = {} if cpu else {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.45}
-    llm = vllm.LLM(model=cfg.model, dtype=vllm_dtype(cfg.dtype), seed=cfg.seed,
-                   enforce_eager=cfg.engine.endswith("-eager"), max_model_len=max_len,
-                   logprobs_mode=cfg.logprobs_mode, **kwargs)
     try:
-        settings = {"backend": "vllm", **check_engine_map(llm, cfg.engine, log=log), "gemm": cfg.gemm,
-                    "logprobs_mode": cfg.logprobs_mode}
-        orders = None
-        if cpu:
-            from roundalign.bridge.vllm_cpu import engine_kernels, engine_norm_sum_orders
-            from roundalign.numerics.engines import spec
-
-            settings["kernels"] = engine_kernels(llm)
-            if spec(cfg.engine).reads_norm_orders:
-                orders = engine_norm_sum_orders(llm)
-                settings["norm_sum_orders"] = [list(o) for o in orders]
-        samples = sample_with_logprobs(llm, prompts, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                       seed=cfg.seed, top_p=cfg.top_p, top_k=cfg.top_k)
-        prefill = None
-        if cfg.sampling_is_plain:
-            prefill = [s.logprobs for s in teacher_forced(llm, samples, 1.0)]
+        samples, forced, settings = real_engine.sample(
+            cfg.model, record, prompts, dtype=cfg.dtype, seed=cfg.seed, temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens, top_p=cfg.top_p, top_k=cfg.top_k, logprobs_mode=cfg.logprobs_mode,
+            teacher_force=cfg.sampling_is_plain, log=log)
     finally:
-        shutdown_llm(llm)
-        del llm
-        if cpu and cfg.gemm == "live":
-            from roundalign.bridge import vllm_cpu
-
+        if record.cpu and cfg.gemm == "live":
             vllm_cpu.uninstall_live_gemm_dispatch()
+    engine_read = {k: settings.pop(k) for k in ("kernels", "norm_sum_orders") if k in settings}
+    settings = {"backend": "vllm", **settings, "gemm": cfg.gemm, "logprobs_mode": cfg.logprobs_mode, **engine_read}
+    prefill = None if forced is None else [s.logprobs for s in forced]
+    orders = settings.get("norm_sum_orders")
     log(f"[attribute] vLLM {cfg.engine}: {len(samples)} samples, {sum(len(s.completion_ids) for s in samples)} "
         f"completion tokens ({settings.get('kernels', {}).get('gemm', cfg.gemm)})")
     return EngineData(prompts, [s.completion_ids for s in samples], [s.logprobs for s in samples], prefill,
@@ -282,7 +268,7 @@ def _engine_sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor, cfg: At
         # float as x * (1/T), one ulp off on part of the logits unless T is a power of two
         x = x / torch.full((x.shape[0], 1), cfg.temperature, dtype=torch.float32, device=x.device)
         if 0 < cfg.top_k < x.shape[-1] or cfg.top_p < 1.0:
-            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: PLC0415 -- optional: vllm
 
             n = x.shape[0]
             # top_k at or above the vocabulary is off in vLLM (gpu_input_batch.py:409-414)
@@ -309,8 +295,6 @@ def _patched_linears(model, make_forward):
 def _vllm_cpu_gemm(module):
     """vLLM-CPU's own GEMM for this layer's weight: its ``dispatch_cpu_unquantized_gemm`` (oneDNN, SGL or
     F.linear, as it chooses for the shape) applied to a copy, called as vLLM's linear layers call it."""
-    from roundalign.bridge.vllm_internals import cpu_gemm_utils
-
     U = cpu_gemm_utils()
     dispatch = getattr(U.dispatch_cpu_unquantized_gemm, "__wrapped__", U.dispatch_cpu_unquantized_gemm)
     shim = torch.nn.Module()
@@ -321,8 +305,6 @@ def _vllm_cpu_gemm(module):
 
 
 def _splitk_gemm(chunk):
-    from roundalign.engine.compiled import splitk_linear
-
     return lambda module: (lambda x: splitk_linear(x, module.weight, module.bias, chunk))
 
 
@@ -332,25 +314,17 @@ _FP8_ATTN = {}
 def _fp8_kv_attention(inner: str, kv_cache_dtype: str) -> str:
     """A transformers attention function that rounds K and V through the engine's fp8 KV cache
     (``engine.model.fp8_kv_roundtrip``) and then runs ``inner``; returns its registered name."""
-    from transformers import AttentionInterface
-
-    from roundalign.engine.model import fp8_kv_roundtrip
-
     name = f"roundalign_fp8kv_{kv_cache_dtype}_{inner}"
     if name not in _FP8_ATTN:
         def base(module):
             if inner != "eager":
                 return AttentionInterface._global_mapping[inner]
-            import importlib  # eager attention is each model file's own function
-
-            mt = module.config.model_type
+            mt = module.config.model_type  # eager attention is each model file's own function
             return importlib.import_module(f"transformers.models.{mt}.modeling_{mt}").eager_attention_forward
 
         def attention(module, query, key, value, *args, **kwargs):
             return base(module)(module, query, fp8_kv_roundtrip(key, kv_cache_dtype),
                                 fp8_kv_roundtrip(value, kv_cache_dtype), *args, **kwargs)
-
-        from transformers.masking_utils import AttentionMaskInterface
 
         AttentionInterface.register(name, attention)
         # the inner attention's mask format (eager: additive float; sdpa and vllm_cpu: boolean)
@@ -361,8 +335,6 @@ def _fp8_kv_attention(inner: str, kv_cache_dtype: str) -> str:
 
 def _attn_name(impl: str) -> str:
     if impl == "vllm_cpu":
-        from roundalign.bridge import vllm_cpu_attention
-
         vllm_cpu_attention.register()
     return impl
 
@@ -371,8 +343,6 @@ def _attn_name(impl: str) -> str:
 def trainer_state(model, state: frozenset, cfg: AttributeConfig, data: EngineData):
     """Configure the trainer model for a set of equalized sources (rounding, attention, kv_cache, gemm); the
     sampling, batching and lm_head sources act in ``trainer_logprobs``."""
-    from roundalign.numerics import apply_alignment
-
     engine_attn = "vllm_cpu" if cfg.backend == "vllm" else cfg.engine_attn
     attn = engine_attn if "attention" in state else cfg.trainer_attn
     if "kv_cache" in state:
@@ -416,7 +386,7 @@ def _layout(data: EngineData, pad_id: int, micro_batch: int | None):
 @torch.no_grad()
 def trainer_logprobs(model, data: EngineData, state: frozenset, cfg: AttributeConfig, pad_id: int):
     """The trainer's logprob of every completion token, per sequence, under the equalized ``state``."""
-    from roundalign.training.trl_bridge import trl_recompute_logprobs
+    from roundalign.training.trl_bridge import trl_recompute_logprobs  # noqa: PLC0415 -- lazy: trl, for TRL's layout only
 
     out: list[torch.Tensor | None] = [None] * len(data.prompts)
     fp32_head = cfg.engine_lm_head_fp32 if "lm_head" in state else cfg.trainer_lm_head_fp32
@@ -452,18 +422,12 @@ def reference_logprobs(data: EngineData, state: frozenset) -> list[torch.Tensor]
 def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: str | None = None) -> list[dict]:
     """Measure, write ``attribution.csv`` and ``attribution.json`` into ``out_dir``; returns the rows (the CLI
     draws ``waterfall.png`` from them: analysis sits above probes)."""
-    from roundalign.envinfo import environment_info
-    from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
-    from roundalign.probes.probe import ProbeConfig, _prompts
-
     out = Path(out_dir)
     check_writable(out / "attribution.csv")
 
     device = device or ("cuda" if cfg.backend == "vllm" and not is_cpu(cfg.engine) else "cpu")
     if cfg.backend == "vllm":  # the real engine can run here (vLLM's CPU build, or CUDA vLLM and a GPU)
-        from roundalign.probes.probe_real import preflight
-
-        device = preflight(ProbeConfig(model=cfg.model, engine=cfg.engine, seed=cfg.seed), device, log=log)
+        _, device = real_engine.preflight(cfg.engine, device, log=log)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     prompts = _prompts(tokenizer, ProbeConfig(model=cfg.model, num_prompts=cfg.num_prompts, seed=cfg.seed,
@@ -493,8 +457,6 @@ def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: 
         log(f"[attribute] step {step} {mode:>10} {source:>9}: k3={m['k3']:.3e} |dlogp|={m['abs_dlogp']:.3e} "
             f"exact={m['exact_frac']:.3f} IS mean={m['is_ratio_mean']:.4f} ({time.perf_counter() - t1:.1f}s)")
     rows = attribution_rows(scored, steps, cfg.num_resamples, cfg.seed)
-    import pandas as pd
-
     atomic_write_csv(pd.DataFrame(rows, columns=["step", "source", "mode", "metric", "value", "ci_low", "ci_high"]),
                      out / "attribution.csv")
     atomic_write_json(out / "attribution.json", {

@@ -22,16 +22,20 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from roundalign import metrics as M
 from roundalign.engine import Engine
 from roundalign.engine.choices import ENGINE_ATTN_IMPLS
+from roundalign.engine.generate import Sample
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
+from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
 from roundalign.numerics import apply_alignment
 from roundalign.numerics.dose import apply_dose, check_dose_bits
 from roundalign.settings import check, configclass, refuse_unused, use
+from roundalign.tasks.arith import make_arith_problems
 
 
 @configclass
@@ -69,8 +73,8 @@ def model_label(path_or_id: str) -> str:
 
 
 def _prompts(tokenizer, cfg: ProbeConfig) -> list[list[int]]:
-    from roundalign.tasks.arith import make_arith_problems
-
+    """The probe's prompts: ``cfg.num_prompts`` arith problems (seeded), tokenized, each after
+    ``cfg.context_tokens`` random ordinary tokens (far RoPE positions)."""
     problems = make_arith_problems(cfg.num_prompts, seed=cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     special = set(tokenizer.all_special_ids)
@@ -178,12 +182,31 @@ def compare_variants(model, samples, cfg: ProbeConfig, label: str, engine_label:
     return rows, layer_rows
 
 
+def emulated_vs_real_layers(engine: Engine, forced: list[Sample], label: str, engine_name: str, attn: str) -> list:
+    """How close the emulation is to the real engine, layer by layer: the emulated engine's residual stream after
+    each layer in one prefill of the same tokens, against the real engine's (hooks); RMS relative error and the
+    fraction of elements bitwise equal."""
+    pairs = None
+    for s in forced:
+        states: list[torch.Tensor] = []
+        ids = torch.tensor(s.prompt_ids + s.completion_ids).unsqueeze(0)
+        engine.model.forward(ids, engine.model.new_cache(), states)
+        if pairs is None:
+            pairs = [[] for _ in states]
+        for i, st in enumerate(states):
+            pairs[i].append((st[0, :len(ids[0]) - 1].cpu(), s.layer_states[i]))
+    rows = []
+    for i, p in enumerate(pairs or []):
+        a, b = torch.cat([x for x, _ in p]), torch.cat([y for _, y in p])
+        for metric, value in (("hidden_rel_err_rms", rms_rel_err(a, b)),
+                              ("hidden_exact_frac", float((a == b).float().mean()))):
+            rows.append({"model": label, "engine": engine_name, "emulated_attn": attn, "layer": i,
+                         "metric": metric, "value": value})
+    return rows
+
+
 def run_probe(cfg: ProbeConfig, out_csv: str | Path, log=print):
     """Run the probe and write its three files; returns (table, layer_table) as DataFrames."""
-    import pandas as pd
-
-    from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
-
     if cfg.trainer_attn is not None:
         raise ValueError(f"trainer_attn={cfg.trainer_attn!r} is the vllm backend's (the trainer's attention when it "
                          "rescores the real engine's tokens); the emulated probe's trainer and engine both attend with "

