@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from roundalign.models.tiny import random_qwen  # noqa: F401  (tests import it from here)
+from roundalign.numerics import regions
 
 torch.set_num_threads(1)
 
@@ -29,6 +30,4 @@ def clone():
 def fresh_region_kernels(monkeypatch):
     """Region kernels built anew in the test that uses this: ``region_kernels`` caches them per process, and a kernel
     built before the test (by another test, or before mutmut forked its worker) would hide what building it does."""
-    from roundalign.numerics import regions
-
     monkeypatch.setattr(regions, "_KERNEL_CACHE", {})

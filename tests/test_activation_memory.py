@@ -9,6 +9,7 @@ import torch
 from conftest import random_qwen
 
 from roundalign import apply_alignment
+from roundalign.numerics import regions as R
 from roundalign.verify.activation_memory import step_memory
 
 torch.set_num_threads(1)
@@ -33,9 +34,9 @@ def test_saved_bytes_counts_unique_activation_storages():
 
 
 def test_full_keeps_at_most_110_percent_of_baseline_activation_bytes(arch):
-    # Was 1.41x (Qwen2) / 1.40x (Qwen3) at intermediate 5.5x hidden before the regions became one autograd node
-    # each (SwiGLU's fp32 formula kept gate, silu(gate) and up in fp32); now the regions save only their bf16
-    # inputs, so full keeps *less* than baseline here (HF's norms keep an fp32 copy and a bf16 one).
+    # Each region is one autograd node that saves only its bf16 inputs, so full keeps *less* than baseline here
+    # (HF's norms keep an fp32 copy and a bf16 one). Regions that keep their fp32 intermediates (SwiGLU's gate,
+    # silu(gate) and up) measured 1.41x (Qwen2) / 1.40x (Qwen3) at intermediate 5.5x hidden.
     model = random_qwen(arch, hidden=64, layers=2, vocab=128).train()
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     base = step_memory(model, ids)
@@ -48,8 +49,6 @@ def test_full_keeps_at_most_110_percent_of_baseline_activation_bytes(arch):
 def test_chunked_swiglu_region_is_bitwise_the_formula_and_its_autograd(monkeypatch):
     """The eager SwiGLU region runs a chunk of rows at a time (to bound its fp32 temporaries). Reference: plain
     autograd through ``silu(gate.float()) * up.float()`` on the whole tensor, rounded once."""
-    from roundalign.numerics import regions as R
-
     monkeypatch.setattr(R, "_SWIGLU_CHUNK_ELEMS", 300)  # 300 // 48 = 6 rows a chunk: 7 chunks, the last short
     g = torch.Generator().manual_seed(0)
     gate = (torch.randn(2, 20, 48, generator=g) * 3).to(torch.bfloat16).requires_grad_()
@@ -69,8 +68,6 @@ def test_chunked_swiglu_region_is_bitwise_the_formula_and_its_autograd(monkeypat
 def test_swiglu_chunks_are_small_on_the_cpu_and_large_on_an_accelerator():
     # Each chunk is a few kernel launches: 2^16-element chunks made `full` 29x slower than `baseline` in the forward
     # of a Qwen2.5-1.5B-sized model on an H200 (results/bench/gpu). Off the CPU a chunk holds 2^24 elements.
-    from roundalign.numerics import regions as R
-
     rows, width = 4096, 8960
     cpu = torch.empty(rows, width, dtype=torch.bfloat16)
     meta = torch.empty(rows, width, dtype=torch.bfloat16, device="meta")  # any device that is not the CPU

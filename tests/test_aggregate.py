@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -343,7 +344,6 @@ def test_no_attribution_no_table_and_a_stale_one_is_removed(tree, capsys):
     write_attribution(tree, "m1", "vllm-eager", attribution_rows(2e-4, 0.0))
     aggregate(tree, out, log=lambda _: None)
     assert (out / "attribution.csv").is_file()
-    import shutil
 
     shutil.rmtree(tree / "attribution")
     aggregate(tree, out, log=lambda _: None)

@@ -11,6 +11,9 @@ import sys
 import pytest
 import torch
 
+from roundalign.engine import Engine
+from roundalign.models.load import load_model
+from roundalign.models.tiny import make_tiny
 from roundalign.probes import attribute as A, attribution_stats
 
 torch.set_num_threads(1)
@@ -26,8 +29,6 @@ EVERYTHING = dict(engine="vllm-compiled", backend="emulated", engine_gemm="split
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from roundalign.models.tiny import make_tiny
-
     return str(make_tiny("qwen3", tmp_path_factory.mktemp("attr") / "m", hidden=32, layers=2, tie=False))
 
 
@@ -78,7 +79,7 @@ def test_the_table_is_long_form_and_the_cumulative_shares_add_up(everything):
 def test_negative_control_undoing_a_source_stops_its_step_removing_its_share(everything, model_dir, tmp_path,
                                                                              source):
     # the step is still taken and labelled, but its equalization is skipped: it must then remove exactly nothing,
-    # where with it in place it removes something, and the waterfall no longer ends bitwise
+    # where with it in place it removes something, and the waterfall does not end bitwise
     _, table, _ = everything
     step = A.SOURCES.index(source) + 1
     # with its equalization, the source removes something alone (against nothing equalized); cumulatively too,
@@ -93,9 +94,6 @@ def test_negative_control_undoing_a_source_stops_its_step_removing_its_share(eve
 
 
 def test_the_engine_replays_its_own_samples_bit_for_bit(model_dir):
-    from roundalign.engine import Engine
-    from roundalign.models.load import load_model
-
     model = load_model(model_dir)
     for kw in ({}, {"attn_decode": "sdpa", "gemm": "splitk", "kv_cache_dtype": "fp8_e4m3"}):
         engine = Engine(model, engine="vllm-compiled", **kw)

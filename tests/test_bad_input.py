@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from snakemake.utils import validate
 
 from roundalign.models.load import ModelConfigError, check_model_config, load_model
 from roundalign.models.tiny import make_tiny
+from roundalign.training.config import ConfigError
+from roundalign.training.sweep import Sweep, explain_schema_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,10 +83,6 @@ def test_root_help_has_no_rst_markup_and_train_help_says_model_is_required():
 
 
 def test_a_misspelled_sweep_key_gets_the_closest_valid_key_not_the_schema(tmp_path):
-    import yaml
-
-    from roundalign.training.sweep import explain_schema_errors
-
     schema = ROOT / "workflow/schemas/sweep.schema.yaml"
     cfg = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
     assert explain_schema_errors(cfg, schema) is None
@@ -98,12 +98,6 @@ def test_a_misspelled_sweep_key_gets_the_closest_valid_key_not_the_schema(tmp_pa
 
 
 def test_a_sweep_probe_setting_its_backend_does_not_use_is_refused_not_dropped():
-    import yaml
-    from snakemake.utils import validate
-
-    from roundalign.training.config import ConfigError
-    from roundalign.training.sweep import Sweep
-
     cfg = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
     validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
     assert cfg["probe"]["backend"] == "emulated"

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from roundalign.training import checkpoints as C
-from roundalign.training.config import build_config
 from roundalign.models.pretrain import pretrain_tiny
 from roundalign.models.tiny import make_tiny
+from roundalign.training import checkpoints as C
+from roundalign.training.config import build_config
 from roundalign.training.train import TIMING_KEYS, run_train
 
 torch.set_num_threads(1)
@@ -136,8 +137,6 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_ends_identical(mod
 def test_verify_reads_headers_of_a_zero3_layout(tmp_path):
     # DeepSpeed ZeRO-3 writes global_stepN/ shards and a `latest` file into the checkpoint: the marker lists them
     # all, so a truncated shard or a missing `latest` makes the checkpoint incomplete like any other file
-    from safetensors.torch import save_file
-
     ckpt = tmp_path / "checkpoint-8"
     (ckpt / "global_step8").mkdir(parents=True)
     save_file({"w": torch.ones(4, 4)}, ckpt / "model.safetensors")
@@ -180,8 +179,6 @@ def test_fault_point_names_are_checked_and_fire_once(tmp_path, monkeypatch):
 def test_mark_complete_flushes_every_file_before_the_marker_exists(tmp_path, monkeypatch):
     """The order a crash cannot show (a SIGKILL keeps the page cache, so both orders end alike after a kill): every
     file and directory of the checkpoint is fsynced before the marker is written, then the marker itself."""
-    from roundalign.training import checkpoints as C
-
     ckpt = tmp_path / "checkpoint-3"
     (ckpt / "global_step3").mkdir(parents=True)
     for rel in ("model.safetensors", "optimizer.pt", "global_step3/shard.pt"):
@@ -208,8 +205,6 @@ def test_mark_complete_flushes_every_file_before_the_marker_exists(tmp_path, mon
 
 
 def _ckpt(root, step, complete=True, state="{}"):
-    from roundalign.training import checkpoints as C
-
     ckpt = root / f"checkpoint-{step}"
     ckpt.mkdir(parents=True)
     (ckpt / "optimizer.pt").write_bytes(b"o" * (10 + step))
@@ -220,8 +215,6 @@ def _ckpt(root, step, complete=True, state="{}"):
 
 
 def test_checkpoints_are_listed_by_step_number_and_only_checkpoint_dirs(tmp_path):
-    from roundalign.training import checkpoints as C
-
     assert C.checkpoints(tmp_path / "absent") == []
     for name in ("checkpoint-10", "checkpoint-2", "checkpoint-9", "checkpoint-x", "checkpoint-3-old", "incomplete"):
         (tmp_path / name).mkdir()
@@ -231,8 +224,6 @@ def test_checkpoints_are_listed_by_step_number_and_only_checkpoint_dirs(tmp_path
 
 
 def test_latest_complete_sets_aside_every_newer_incomplete_one_under_a_fresh_name(tmp_path, monkeypatch):
-    from roundalign.training import checkpoints as C
-
     monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
     _ckpt(tmp_path, 2)
     _ckpt(tmp_path, 4)
@@ -263,8 +254,6 @@ def test_latest_complete_sets_aside_every_newer_incomplete_one_under_a_fresh_nam
 
 
 def test_rotate_keeps_the_newest_complete_ones_and_never_touches_an_incomplete_one(tmp_path, monkeypatch):
-    from roundalign.training import checkpoints as C
-
     monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
     for step in (2, 4, 6):
         _ckpt(tmp_path, step)
@@ -277,8 +266,6 @@ def test_rotate_keeps_the_newest_complete_ones_and_never_touches_an_incomplete_o
 
 
 def test_set_aside_takes_the_first_free_name_starting_at_dot_one(tmp_path):
-    from roundalign.training import checkpoints as C
-
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "incomplete" / "checkpoint-2").mkdir(parents=True)
     rec = C.set_aside(tmp_path / "checkpoint-2", "why")
@@ -287,8 +274,6 @@ def test_set_aside_takes_the_first_free_name_starting_at_dot_one(tmp_path):
 
 @pytest.mark.parametrize("value,flushed", [("1", True), ("0", False), ("", False), (None, True)])
 def test_mark_complete_flushes_unless_told_not_to_and_records_it(tmp_path, monkeypatch, value, flushed):
-    from roundalign.training import checkpoints as C
-
     if value is None:
         monkeypatch.delenv("ROUNDALIGN_CKPT_FSYNC", raising=False)
     else:
@@ -307,8 +292,6 @@ def _safetensors(path, header: bytes, data: bytes, n=None):
 
 
 def test_verify_names_each_way_a_checkpoint_can_be_incomplete(tmp_path, monkeypatch):
-    from roundalign.training import checkpoints as C
-
     monkeypatch.setenv("ROUNDALIGN_CKPT_FSYNC", "0")
     ckpt = _ckpt(tmp_path, 2, complete=False)
     w = ckpt / "model.safetensors"
@@ -350,8 +333,6 @@ def test_verify_names_each_way_a_checkpoint_can_be_incomplete(tmp_path, monkeypa
 def test_fault_point_kills_its_process_once_at_its_point_and_step(tmp_path):
     """The kill itself, in a child process running the same ``checkpoints`` module as this test (under
     ``make mutation``: the mutated copy)."""
-    from roundalign.training import checkpoints as C
-
     src = str(Path(C.__file__).resolve().parents[2])
     once = tmp_path / "once"
     os.environ.pop("ROUNDALIGN_FAULT_INJECT", None)
@@ -379,8 +360,6 @@ def test_fault_point_in_process_reads_each_field_of_the_spec(monkeypatch, tmp_pa
     """fault_point's parsing, observed in this process (os.kill replaced by a recorder): a call without a
     directory matches no ``match`` text; a spec without a once-file or a match fires every time and writes
     nothing."""
-    from roundalign.training import checkpoints as C
-
     kills = []
     monkeypatch.setattr(C.os, "kill", lambda pid, sig: kills.append((pid, sig)))
     monkeypatch.chdir(tmp_path)

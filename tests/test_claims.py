@@ -21,7 +21,10 @@ from decimal import ROUND_HALF_UP, Decimal
 from functools import cache
 from pathlib import Path
 
+import pandas as pd
 import pytest
+
+from roundalign.analysis.dose import verdicts
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = ROOT / "docs" / "claims.md"
@@ -436,9 +439,6 @@ def dose_outcome(row):
     diffs = [f'{float(gain[(d, "full")]["diff_vs_baseline"]):+.3f}' for d in doses]
     welch = sorted((r for r in tests if r["test"] == "welch_full_vs_baseline"), key=lambda r: -float(r["dose"]))
     (inter,) = [r for r in tests if r["test"] == "interaction_grows_with_dose"]
-    import pandas as pd
-
-    from roundalign.analysis.dose import verdicts
 
     verdict = verdicts(pd.read_csv(ROOT / "results/dose/aggregate/dose_tests.csv"))
     assert sorted(verdict) == sorted({r["hypothesis"] for r in tests if r["hypothesis"].startswith("H")}) \
@@ -577,11 +577,11 @@ def test_each_results_backed_row_is_recomputed_from_its_artifact(row):
 def test_every_check_matches_a_row():
     claims = [r["claim"] for r in claim_rows()]
     unused = [k for k in [*CHECKS, *NOT_RECOMPUTED] if not any(c.startswith(k) for c in claims)]
-    assert unused == [], f"checks for rows claims.md no longer has: {unused}"
+    assert unused == [], f"checks for rows claims.md does not have: {unused}"
 
 
 def test_a_stale_value_fails_its_check():
-    # the recomputation is real: a row whose number no longer matches its file fails
+    # the recomputation is real: a row whose number does not match its file fails
     row = next(r for r in results_rows() if _key(r["claim"]) == "stress: final reward per dose")
     with pytest.raises(AssertionError):
         CHECKS[_key(row["claim"])]({**row, "value": row["value"].replace("0.015", "0.02")})

@@ -9,6 +9,7 @@ sequence), so no kernel difference is left; decode-vs-prefill is in tests/test_e
 Slow-ish: a few Inductor compilations (C++ codegen + gcc) per process, reused across tests.
 """
 
+import io
 import pickle
 
 import pytest
@@ -18,6 +19,7 @@ from conftest import random_qwen
 from roundalign import apply_alignment
 from roundalign.engine import EngineModel, KVCache
 from roundalign.engine import compiled as C
+from roundalign.models.load import load_model
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -182,8 +184,6 @@ def test_bad_engine_options_name_the_choices():
 
 @pytest.mark.parametrize("kernels", ["eager", "compiled"])
 def test_aligned_model_pickles_and_saves_its_alignment(arch, kernels, tmp_path):
-    import io
-
     model = random_qwen(arch, layers=2)
     ids = _ids()
     apply_alignment(model, "full", "vllm-compiled", kernels=kernels)
@@ -195,7 +195,6 @@ def test_aligned_model_pickles_and_saves_its_alignment(arch, kernels, tmp_path):
     assert torch.equal(_trainer_logits(loaded, ids), want)
     assert torch.equal(_trainer_logits(pickle.loads(pickle.dumps(model)), ids), want)
     model.save_pretrained(tmp_path / "m")
-    from roundalign.models.load import load_model
 
     again = load_model(str(tmp_path / "m"))
     assert again.config.roundalign == {"variant": "full", "engine": "vllm-compiled", "kernels": kernels}
@@ -210,7 +209,7 @@ def _loss_and_params(model, ids):
 @pytest.mark.parametrize("kernels", ["eager", "compiled"])
 def test_retain_graph_backward_twice_doubles_the_gradients(arch, kernels):
     # A second backward through the retained graph adds the same gradient again: g + g = 2g exactly in bf16
-    # (doubling is exact). Compiled region kernels used to raise here (AOTAutograd donated buffers).
+    # (doubling is exact). Guards against compiled region kernels raising here (AOTAutograd donated buffers).
     model = apply_alignment(random_qwen(arch), "full", kernels=kernels).train()
     ids = _ids()
     loss, params = _loss_and_params(model, ids)
@@ -231,8 +230,8 @@ def _grad_of_grad_norm(model, ids):
 
 
 def test_double_backward_through_compiled_kernels_is_close_to_eager_kernels(arch):
-    # Double backward runs through every aligned region with compiled kernels (it raised before: AOTAutograd's
-    # donated buffers). create_graph takes the eager formula; the outer first-order pass takes the compiled VJP,
+    # Double backward runs through every aligned region with compiled kernels (guards against AOTAutograd's
+    # donated buffers raising). create_graph takes the eager formula; the outer first-order pass takes the compiled VJP,
     # whose fp32 intermediates round differently, so the bf16 second-order gradients agree closely, not bitwise
     # (measured: at most 2.2% relative L2 per tensor, Qwen2; 1.1%, Qwen3).
     ids = _ids()

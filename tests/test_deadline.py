@@ -1,18 +1,20 @@
 """Stopping before the job's time limit: the deadline source, the margin rule, and a real run that
 checkpoints as `preempted` before the limit (or on SIGUSR1) and resumes on the rerun."""
 
+import datetime
 import json
 import os
 import signal
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import TrainerCallback
 
+from roundalign.models.tiny import make_tiny
 from roundalign.training.config import build_config
 from roundalign.training.deadline import RunState, job_end_time, make_deadline_callback
-from roundalign.models.tiny import make_tiny
 from roundalign.training.train import run_train
 
 torch.set_num_threads(1)
@@ -31,7 +33,6 @@ def test_end_time_sources(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\necho 2030-01-02T03:04:05\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    import datetime
 
     assert job_end_time({"SLURM_JOB_ID": "42"}) == datetime.datetime(2030, 1, 2, 3, 4, 5).timestamp()
 
@@ -65,7 +66,6 @@ class Usr1At(TrainerCallback):
 def test_run_stops_before_the_deadline_and_on_usr1_then_resumes(tmp_path, monkeypatch):
     model = str(make_tiny("qwen2", tmp_path / "m", hidden=32, layers=1, seed=0))
     cfg = build_config(overrides={"model": model, "steps": 4, **FAST})
-    import time
 
     monkeypatch.setenv("ROUNDALIGN_DEADLINE", str(time.time() + 30))
     monkeypatch.setenv("ROUNDALIGN_STOP_MARGIN_S", "60")  # 30 s left < 60 s: stop after the first step

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from roundalign.engine import NonFiniteLogitsError
 from roundalign.training import distributed as D
+from roundalign.training.train import make_rollout
 from roundalign.training.trl_bridge import step_mismatch_metrics
 
 
@@ -50,9 +52,6 @@ def _worker(rank, world, port, results):
         stop = D.any_rank(rank == 1)
         keep_going = D.any_rank(False)
         # the engine raising on one rank makes the rollout raise on every rank (no rank left waiting)
-        from roundalign.engine import NonFiniteLogitsError
-        from roundalign.training.train import make_rollout
-
         class Engine:
             def generate(self, ids, **kw):
                 if rank == 1:

@@ -1,15 +1,22 @@
 """The rounding dose (numerics/dose.py): the rounding itself against independent references (float64 arithmetic,
 torch's own bf16 and fp8 casts), its placement in the engine and the trainer, and on-policy-ness of `full` under it."""
 
+import json
 import math
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
+import yaml
 from conftest import random_qwen
+from scipy import stats
 
 from roundalign import apply_alignment
+from roundalign.analysis.dose import dose_probe_table, gain_table, hypothesis_tests, outcome_table, verdicts
 from roundalign.engine import Engine
 from roundalign.numerics.dose import apply_dose, dose_of, remove_dose, round_mantissa, round_mantissa_st
+from tools.cluster import dose_chunks as dc
 
 torch.set_num_threads(1)
 
@@ -194,11 +201,6 @@ def test_bad_doses_are_refused_by_name():
 # -- the experiment's tables (analysis/dose.py) -------------------------------------------------------------------
 
 def test_outcome_and_gain_tables_against_a_hand_count():
-    import numpy as np
-    import pandas as pd
-
-    from roundalign.analysis.dose import gain_table, outcome_table
-
     keys = [("m", "baseline", 0), ("m", "baseline", 1), ("m", "full", 0), ("m", "full", 1),
             ("m2", "baseline", 0), ("m2", "full", 0), ("m2", "full", 1)]
     status = pd.DataFrame([{"model": m, "variant": v, "seed": s, "status": "done",
@@ -225,12 +227,6 @@ def test_outcome_and_gain_tables_against_a_hand_count():
 
 
 def test_dose_probe_table_reads_each_probes_dose(tmp_path):
-    import json
-
-    import pandas as pd
-
-    from roundalign.analysis.dose import dose_probe_table
-
     paths = []
     for bits, k3 in ((7, 1e-4), (3, 2e-2)):
         p = tmp_path / f"p{bits}.csv"
@@ -250,10 +246,6 @@ def test_dose_probe_table_reads_each_probes_dose(tmp_path):
 
 
 def test_the_chunks_cover_every_run_of_the_config_once_and_pack_refuses_an_unfinished_chunk(tmp_path, monkeypatch):
-    import yaml
-
-    from tools.cluster import dose_chunks as dc
-
     cfg = yaml.safe_load(open("configs/dose.yaml"))
     n_chunks = -(-len(cfg["seeds"]) // dc.CHUNK_SEEDS)
     every = [t for k in range(n_chunks) for t in dc.targets(k)]
@@ -266,12 +258,6 @@ def test_the_chunks_cover_every_run_of_the_config_once_and_pack_refuses_an_unfin
 
 
 def test_the_preregistered_tests_against_scipy_and_hand_counts():
-    import numpy as np
-    import pandas as pd
-    from scipy import stats
-
-    from roundalign.analysis.dose import hypothesis_tests, verdicts
-
     rng = np.random.default_rng(1)
     rows = []
     for dose, k in ((7, 0), (4, 1), (3, 2), (2, 3)):

@@ -209,7 +209,7 @@ def test_unequal_kernels_leave_a_residual_that_full_still_reduces(arch, attn, ge
         return (torch.expm1(d) - d).mean().item()
 
     base, full = k3("baseline"), k3("full")
-    assert full > 0  # the kernels differ: not bitwise any more
+    assert full > 0  # the kernels differ: not bitwise
     assert full < base
 
 

@@ -14,6 +14,7 @@ from roundalign.engine import Engine
 from roundalign.numerics import engines
 from roundalign.numerics.engines import EngineSpec, GuardCheck
 from roundalign.numerics.plan import RoundingPlan, check_engine, default_kernel_mode, engine_plan, plan_for
+from roundalign.training.config import ConfigError, TrainConfig
 
 torch.set_num_threads(1)
 
@@ -87,8 +88,6 @@ def test_the_guard_runs_a_registered_engines_own_checks_and_the_shared_ones():
 
 
 def test_the_config_reads_the_dose_engines_and_the_cpu_kind_from_the_registry():
-    from roundalign.training.config import ConfigError, TrainConfig
-
     with pytest.raises(ConfigError, match="engine_dose_bits=4: the dose is emulated on the eager engines only "
                                           r"\(backend emulated, engine vllm-eager or vllm-cpu-eager\)"):
         TrainConfig(model="m", engine="vllm-compiled", engine_dose_bits=4)

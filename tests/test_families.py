@@ -8,11 +8,13 @@ import pytest
 import torch
 from conftest import random_qwen
 from test_engine import prompts, trainer_logprobs
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from roundalign import apply_alignment
 from roundalign.engine import Engine
 from roundalign.models.load import ModelConfigError, check_model_config
 from roundalign.models.tiny import make_tiny
+from roundalign.numerics import vllm_native
 from roundalign.numerics.families import FAMILIES, family_of_class
 
 torch.set_num_threads(1)
@@ -43,8 +45,6 @@ def test_llama_full_is_bitwise_against_the_emulated_engine(engine, rope):
 def test_the_llama3_rope_table_is_vllms_and_differs_from_the_unscaled_one():
     """The compiled engine's cos/sin table with Llama 3's scaling (vLLM's formula, vllm_native) equals the bf16 table
     Hugging Face's LlamaRotaryEmbedding gives the trainer, and the scaling changes it (the test is not vacuous)."""
-    from roundalign.numerics import vllm_native
-
     model = random_llama(LLAMA3_ROPE)
     pos = torch.arange(300).unsqueeze(0)
     x = torch.zeros(1, 300, 16, dtype=torch.bfloat16)
@@ -69,7 +69,6 @@ def test_families_name_their_classes_and_unsupported_ones_are_refused_in_one_lin
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64,
                                                       "num_attention_heads": 4}))
     assert check_model_config(tmp_path / "config.json")["model_type"] == "qwen3_moe"
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -79,8 +78,6 @@ def test_families_name_their_classes_and_unsupported_ones_are_refused_in_one_lin
                                          r"vllm-cpu-compiled, vllm-cpu-eager only; 'vllm-compiled' has no MoE map"):
         apply_alignment(moe, "full")
     # a rope parameterisation the family is not verified for
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     longrope = Qwen2ForCausalLM(Qwen2Config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         vocab_size=64, max_position_embeddings=4096,
@@ -92,8 +89,6 @@ def test_families_name_their_classes_and_unsupported_ones_are_refused_in_one_lin
 
 
 def test_make_tiny_builds_a_llama_with_llama3_rope(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     path = make_tiny("llama", tmp_path / "llama", hidden=64, heads=4)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["rope_parameters"]["rope_type"] == "llama3"

@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from snakemake.utils import validate
 
+import roundalign.models.load as models
+import roundalign.training.train as train
+from roundalign.models.tiny import make_tiny
 from roundalign.training.config import ConfigError, build_config
 from roundalign.training.sweep import Sweep
 
@@ -16,10 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_grpo_args_exist_before_the_model_is_loaded(tmp_path, monkeypatch):
     # Under `accelerate launch` + DeepSpeed, building GRPOConfig registers HfDeepSpeedConfig; only a model loaded
     # after that is created under zero.Init (zero3_init_flag), so every rank holds a shard, not the whole model.
-    import roundalign.models.load as models
-    import roundalign.training.train as train
-    from roundalign.models.tiny import make_tiny
-
     model = str(make_tiny("qwen2", tmp_path / "m", hidden=32, layers=1))
     order = []
     real_args = train.build_grpo_args
@@ -37,8 +37,6 @@ def test_grpo_args_exist_before_the_model_is_loaded(tmp_path, monkeypatch):
 
 
 def _paper():
-    from snakemake.utils import validate
-
     cfg = yaml.safe_load((ROOT / "configs/paper.yaml").read_text())
     validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
     return cfg
@@ -57,7 +55,6 @@ def test_paper_probes_run_on_one_gpu_of_each_models_kind():
     assert sweep.probe_resources("qwen25-math-7b") == {"gpu": 1, "gpu_model": "h100", "cpus_per_gpu": 8,
                                                       "mem_mb": 256000, "runtime": 120}
     smoke = yaml.safe_load((ROOT / "configs/smoke.yaml").read_text())
-    from snakemake.utils import validate
 
     validate(smoke, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
     name = next(iter(smoke["models"]))
@@ -70,8 +67,6 @@ def test_paper_probes_run_on_one_gpu_of_each_models_kind():
 
 
 def _vllm_cpu():
-    from snakemake.utils import validate
-
     cfg = yaml.safe_load((ROOT / "configs/vllm-cpu.yaml").read_text())
     validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
     return cfg

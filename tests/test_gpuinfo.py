@@ -3,6 +3,8 @@
 import os
 import stat
 
+import torch
+
 from roundalign import gpuinfo
 
 
@@ -21,7 +23,6 @@ def test_nvidia_smi_is_parsed_and_report_names_the_problem(tmp_path, monkeypatch
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert gpuinfo.nvidia_smi() == ("535.104.05", ["NVIDIA H100 80GB HBM3"] * 2)
-    import torch
 
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     rep = gpuinfo.cuda_report()

@@ -17,7 +17,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
+from transformers import Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+from roundalign.bridge.inductor_code import find_output_code, norm_sum_orders, parse_output_code
 from roundalign.numerics import regions
 from roundalign.numerics.vllm_native import (
     vllm_cos_sin_cache,
@@ -128,9 +132,6 @@ def _report(name, got, fused, eager):
 
 def test_vllm_cos_sin_cache_equals_hf_tables():
     """The bf16 cos/sin tables of both stacks are bitwise equal (both: fp32 angles, one rounding)."""
-    from transformers import Qwen2Config
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
     cfg = Qwen2Config(hidden_size=N_HEADS * HEAD_DIM, num_attention_heads=N_HEADS,
                       rope_parameters={"rope_type": "default", "rope_theta": THETA}, max_position_embeddings=MAX_POS)
     pos = torch.arange(MAX_POS)[None]
@@ -250,10 +251,6 @@ def test_sum_sq_in_order_is_inductors_reduction_read_from_its_code(dtype, stores
     torch.sum differs from it. Inductor picks the tiling from the kernel's loads and stores: 2 x 16 lanes for bf16
     input on AVX-512 (2 x 8 on AVX2), 1 vector where the loop also stores fp32 (the engine's kernels that
     materialise the residual stream)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from roundalign.bridge.inductor_code import norm_sum_orders, parse_output_code
-
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(T, HIDDEN, generator=g) * torch.rand(T, 1, generator=g) * 30).to(dtype)
     r = torch.randn(T, HIDDEN, generator=g)
@@ -284,8 +281,6 @@ def test_find_output_code_can_keep_to_vllms_own_graphs(tmp_path):
     """vLLM points the process's TORCHINDUCTOR_CACHE_DIR into its compile cache, so a probe's emulated one-graph
     engine (its attention op is roundalign's) lands beside the real engine's graph, with more kernel calls; reading
     the engine's reduction orders from it gave none (seen in a sweep). ``vllm_only`` keeps to graphs of vLLM ops."""
-    from roundalign.bridge.inductor_code import find_output_code
-
     def module(attention_op, calls):
         body = "\n".join(f"    cpp_fused_k_{i}(buf{i})" for i in range(calls))
         return (f"cpp_fused_k_0 = async_compile.cpp_pybinding([], r'''\n''')\n"

@@ -11,6 +11,7 @@ from roundalign.metrics import (
     METRIC_NAMES_TOKEN,
     flatten_metrics,
     mismatch_metrics,
+    verl_health_flags,
 )
 
 torch.set_num_threads(1)
@@ -398,9 +399,7 @@ def test_bad_is_clip_rejected(clip):
 
 def test_health_flag_any_raises_on_chi2_alone():
     """Token deltas of +-0.75 violate verl's chi2 check (mean(rho^2) - 1 = 1.35 > 1) and no other: IS mean 1.29,
-    std 0.82, ESS 0.71, k1 0. ``any`` must still be raised (a mutation leaving chi2 out of it survived the suite)."""
-    from roundalign.metrics import mismatch_metrics, verl_health_flags
-
+    std 0.82, ESS 0.71, k1 0. ``any`` must still be raised (guards against a mutation that leaves chi2 out of it)."""
     delta = torch.tensor([[0.75, -0.75] * 8], dtype=torch.float64)
     engine = torch.full_like(delta, -1.0)
     tok = mismatch_metrics(engine + delta, engine, torch.ones_like(delta, dtype=torch.bool))["token"]
@@ -429,8 +428,6 @@ def _token(**kw):
     ({"is_ratio_mean": 0.5}, None), ({"is_ratio_mean": 2.0}, None), ({"ess_frac": 0.3}, None),
     ({"is_ratio_std": 1.0}, None), ({"mismatch_k1": -0.1}, None), ({"mismatch_chi2": 1.0}, None)])
 def test_each_verl_flag_alone_sets_any_and_thresholds_are_strict(kw, flag):
-    from roundalign.metrics import verl_health_flags
-
     flags = verl_health_flags(_token(**kw))
     assert all(v.dtype == F64 for v in flags.values())
     want = {k: float(k == flag) for k in ("is_mean", "ess", "is_std", "kl", "chi2")}
@@ -438,8 +435,6 @@ def test_each_verl_flag_alone_sets_any_and_thresholds_are_strict(kw, flag):
 
 
 def test_mismatch_metrics_errors_name_the_input_and_an_is_clip_of_one_is_allowed():
-    from roundalign.metrics import mismatch_metrics
-
     t = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
     cases = [

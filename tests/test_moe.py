@@ -2,13 +2,22 @@
 against torch.autograd on exact formulas, and the aligned Qwen3-MoE trainer against the emulated engine. Against
 vLLM-CPU's own kernel and engine: tests/vllm_cpu/test_moe_real.py."""
 
+import inspect
+import json
+import os
 import struct
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine import prompts, trainer_logprobs
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3 import modeling_qwen3 as q3
+from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
 
 from roundalign import apply_alignment
+from roundalign.engine import Engine
+from roundalign.models.tiny import make_tiny
 from roundalign.numerics import moe
 
 torch.set_num_threads(1)
@@ -154,7 +163,6 @@ def test_the_routers_differ_only_in_the_weights_rounding():
 
 
 def test_hf_formula_is_transformers_block_bitwise():
-    from roundalign.models.tiny import random_qwen  # noqa: F401  (package import check)
     model = _tiny_moe()
     block = model.model.layers[0].mlp
     x = _bf16((1, 9, 64), 10)
@@ -209,8 +217,6 @@ def test_block_gradients_are_the_formulas(isa):
 # -- the aligned model ------------------------------------------------------------------------------------------------
 
 def _tiny_moe(seed=0, dtype=torch.bfloat16):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, num_experts=4,
                          num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
@@ -233,10 +239,6 @@ def _tiny_moe(seed=0, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("engine", ["vllm-cpu-eager", "vllm-cpu-compiled"])
 def test_full_is_bitwise_against_the_emulated_engine(engine):
-    from test_engine import prompts, trainer_logprobs
-
-    from roundalign.engine import Engine
-
     if engine == "vllm-cpu-compiled" and not _slow_ok():
         pytest.skip("compiles the whole-model graph (~1 min on 2 cores): run with RUN_SLOW=1")
     try:
@@ -255,8 +257,6 @@ def test_full_is_bitwise_against_the_emulated_engine(engine):
 
 
 def _slow_ok():
-    import os
-
     return os.environ.get("RUN_SLOW", "") == "1"
 
 
@@ -279,7 +279,6 @@ def test_variants_own_the_block_and_other_engines_are_refused():
     apply_alignment(model, "baseline", "vllm-compiled")  # stock numerics need no map
     with pytest.raises(ValueError, match="unknown MoE kernel ISA 'neon'"):
         apply_alignment(model, "full", "vllm-cpu-eager", moe_isa="neon")
-    from roundalign.engine import Engine
 
     with pytest.raises(ValueError, match="'vllm-eager' has no MoE map"):
         Engine(model, engine="vllm-eager", attn="eager")
@@ -314,11 +313,6 @@ def test_aligned_moe_model_trains():
 def test_qwen3_moe_forwards_are_qwen3s():
     """The aligned decoder layer, attention and norms re-state Qwen3's stock forwards (test_patch.py pins those): the
     Qwen3-MoE ones are the same code but for the class names, so the same mixins align them."""
-    import inspect
-
-    from transformers.models.qwen3 import modeling_qwen3 as q3
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
-
     for cls in ("Attention", "RMSNorm", "MLP"):
         a = inspect.getsource(getattr(qm, "Qwen3Moe" + cls).forward).replace("Qwen3Moe", "Qwen3")
         assert a == inspect.getsource(getattr(q3, "Qwen3" + cls).forward), cls
@@ -329,12 +323,6 @@ def test_qwen3_moe_forwards_are_qwen3s():
 
 
 def test_tiny_qwen3_moe_builds_and_aligns(tmp_path):
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    from roundalign.models.tiny import make_tiny
-
     path = make_tiny("qwen3_moe", tmp_path / "m", hidden=64, layers=1, experts=4, top_k=2, seed=1)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_local_experts"] == 4

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from tools.mutation import recheck
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _recheck():
-    from tools.mutation import recheck
-
     return recheck
 
 

@@ -8,10 +8,20 @@ import pytest
 import torch
 import transformers
 from conftest import random_qwen
+from transformers import AttentionInterface, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 from transformers.models.qwen3 import modeling_qwen3
 
+import roundalign.numerics as N
 from roundalign import ENGINES, VARIANTS, alignment_of, apply_alignment
+from roundalign.engine import Engine
+from roundalign.models.load import load_model
+from roundalign.numerics import patch, regions
+from roundalign.numerics import plan as plan_mod
+from roundalign.numerics import regions as R
+from roundalign.numerics.patch import (SLOT_ATTR, SUPPORTED_MODEL_CLASSES, default_kernels, norm_modules,
+                                       recorded_alignment)
 from roundalign.numerics.plan import engine_plan, plan_for
 
 torch.set_num_threads(1)
@@ -143,7 +153,6 @@ def test_errors_name_the_culprit_and_the_choices():
         apply_alignment(model, "ropee")
     with pytest.raises(ValueError, match=r"unknown engine 'sglang'.*vllm-compiled, vllm-eager"):
         apply_alignment(model, "full", engine="sglang")
-    from transformers import MistralConfig, MistralForCausalLM
 
     mistral = MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
@@ -180,8 +189,6 @@ def test_head_classes_align_their_decoder_trunk(arch, head):
 def test_alignment_is_recorded_in_the_models_own_config(tmp_path):
     """HF models built from one config object share it; aligning one must not mark its sibling (which would
     save ``roundalign`` in its config.json and be aligned by load_model)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=64)
     a, b = Qwen2ForCausalLM(cfg), Qwen2ForCausalLM(cfg)
@@ -253,8 +260,6 @@ def _regions_first_and_second_order(fn, inputs, g):
 def test_region_nodes_have_the_formulas_gradients_and_second_order():
     # Each aligned region is one autograd node that saves its inputs and recomputes the fp32 formula in backward
     # (to save memory); its first and second derivatives must be bitwise those of plain autograd on the formula.
-    from roundalign.numerics import regions as R
-
     K = R.region_kernels("eager")
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16  # (fp32 inputs bypass the node: nothing to save there, see regions._one_node)
@@ -294,8 +299,9 @@ def test_region_nodes_have_the_formulas_gradients_and_second_order():
 @pytest.mark.parametrize("engine", ["vllm-compiled", "vllm-cpu-eager"])
 def test_attention_switch_after_alignment_takes_effect_as_on_stock(arch, engine):
     # transformers' own tests deep-copy a model and switch its attention; HF modules read config._attn_implementation
-    # from their own config, so the alignment's config copy must reach every module (it once reached only the
-    # trunk, and the switch silently did nothing). fp32: aligned == stock under every implementation.
+    # from their own config, so the alignment's config copy must reach every module (guards against a copy that
+    # reaches only the trunk, where the switch silently does nothing). fp32: aligned == stock under every
+    # implementation.
     stock = random_qwen(arch, dtype=torch.float32)
     aligned = apply_alignment(copy.deepcopy(stock), "full", engine)
     for impl in ("sdpa", "eager", "sdpa"):
@@ -313,10 +319,6 @@ def test_norm_sum_orders_reach_every_norm_and_are_checked(arch, tmp_path, monkey
     its squares in that order (``regions.sum_sq_in_order``, checked against Inductor in tests/test_inductor.py,
     against the real engine in tests/vllm_cpu), in both kernel modes; the orders travel with
     save_pretrained/load_model, and bad input is refused naming what is wrong."""
-    from roundalign.models.load import load_model
-    from roundalign.numerics import regions
-    from roundalign.numerics.patch import norm_modules
-
     model = random_qwen(arch, layers=2, hidden=128)
     norms = norm_modules(model)
     assert len(norms) == 2 * (2 if arch == "qwen2" else 4) + 1
@@ -357,7 +359,7 @@ def test_a_hook_that_replaces_a_layers_output_drops_the_carried_low_part(engine)
     """The carrier slot hands the fp32 low part of the residual sum to the next layer only if that layer's input IS
     the tensor the previous layer returned. A forward hook that replaces the output (here with zeros of the same
     shape and dtype) must make the next layer read exactly the replacement, not replacement + the old low part
-    (a mutation matching the slot by shape survived a suite whose hooks only observe)."""
+    (guards against matching the slot by shape, which hooks that only observe cannot tell apart)."""
     model = random_qwen("qwen2", layers=3)
     apply_alignment(model, "full", engine)
     layers = model.model.layers
@@ -454,9 +456,6 @@ def test_cpu_eager_residual_row_is_fp32_read_with_hf_norms_bitwise(arch):
 
 @fresh_kernels
 def test_numerics_package_resolves_the_patch_names_lazily():
-    import roundalign.numerics as N
-    from roundalign.numerics import patch
-
     for name in ("SUPPORTED_MODEL_CLASSES", "alignment_of", "apply_alignment"):
         assert N.__getattr__(name) is getattr(patch, name)
     with pytest.raises(AttributeError, match=r"^module 'roundalign.numerics' has no attribute 'nope'$"):
@@ -470,12 +469,9 @@ def test_aligned_attention_calls_the_attention_interface_as_stock_does(arch, tra
     """The aligned attention re-states the stock forward around the attention call: it must hand the attention
     interface exactly the keywords stock transformers does (dropout in training only, the scaling, the layer's
     sliding window, and every keyword the decoder layer passes through, with the layer's defaults when a layer is
-    called on its own). The tiny models use no sliding window and no dropout, so a dropped ``sliding_window`` or an
-    inverted ``training`` test survived the suite: here each layer gets a window of 5 and a dropout of 0.25, and a
+    called on its own). The tiny models use no sliding window and no dropout, so on them a dropped ``sliding_window`` or
+    an inverted ``training`` test goes unseen: here each layer gets a window of 5 and a dropout of 0.25, and a
     recording attention function compares the two models' calls."""
-    from transformers import AttentionInterface
-    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
-
     calls = []
 
     def spy(module, q, k, v, mask, **kw):
@@ -511,8 +507,8 @@ def test_an_aligned_model_decodes_through_transformers_kv_cache(arch):
     """The aligned decoder layer hands its attention the cache (``past_key_values``), so cached decoding
     (``generate``, or a trainer's eval loop) sees every earlier token: the cache grows by one position per step,
     and each step's logits are the full forward's at that position (bf16 matmuls over other shapes apart). The
-    engine tests decode through the emulated engine's own cache, not transformers', so a layer that dropped the
-    cache survived them."""
+    engine tests decode through the emulated engine's own cache, not transformers', so they do not see a layer
+    that drops the cache."""
     model = apply_alignment(random_qwen(arch), "full", "vllm-compiled").eval()
     ids = (torch.arange(12).view(1, 12) * 7) % 100
     with torch.no_grad():
@@ -530,8 +526,6 @@ def test_the_carrier_slot_is_empty_after_every_forward():
     """``_take_lo`` empties the trunk's carrier slot whenever it is read, so that nothing outlives one forward: after
     a forward, the slot holds no tensor (a slot left holding the last layer's output and its fp32 low part would keep
     both alive, and hand the low part to a later call that happens to pass that tensor again)."""
-    from roundalign.numerics.patch import SLOT_ATTR
-
     model = apply_alignment(random_qwen("qwen2", layers=3), "full", "vllm-compiled")
     slots = {id(s): s for m in model.modules() if (s := getattr(m, SLOT_ATTR, None)) is not None}
     assert len(slots) == 1
@@ -547,8 +541,6 @@ def test_alignment_of_a_never_aligned_model_and_the_aligned_classes_names():
     """``alignment_of`` of a model never aligned is the documented default; an aligned instance's class is the
     roundalign subclass named like the stock one, from roundalign.numerics.patch (pickling finds it there), with a
     docstring saying what it is (what ``help(layer)`` shows)."""
-    from roundalign.numerics import patch
-
     assert patch.alignment_of(random_qwen("qwen3")) == ("baseline", "vllm-compiled", "eager")
     aligned = apply_alignment(random_qwen("qwen3"), "full", "vllm-cpu-compiled", kernels="eager")
     assert patch.alignment_of(aligned) == ("full", "vllm-cpu-compiled", "eager")
@@ -563,13 +555,10 @@ def test_alignment_of_a_never_aligned_model_and_the_aligned_classes_names():
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_full_on_the_cpu_eager_engine_of_an_avx2_build_is_on_policy_and_needs_the_truncating_rope(arch, monkeypatch):
     """vLLM-CPU's eager RoPE truncates to bf16 in the _C_AVX512/_C_AVX2 builds (plan.cpu_rope_rounding: "fused-rz").
-    This machine loads _C (AVX-512 BF16), so elsewhere the suite only ever takes "fused", and a patch that dropped
-    the truncating branch survived every test here. With the build set to _C_AVX2, the emulated engine (which rounds
+    This machine loads _C (AVX-512 BF16), so elsewhere the suite only ever takes "fused", and a patch that drops
+    the truncating branch passes every other test here. With the build set to _C_AVX2, the emulated engine (which rounds
     with regions.rope_fused_rz, pinned against a truncation formula in tests/test_regions.py) and the trainer aligned
     with ``full`` give equal logprobs on every sampled token; the same trainer aligned for the _C build does not."""
-    from roundalign.engine import Engine
-    from roundalign.numerics import plan as plan_mod
-
     def logprobs(model, s):
         ids = torch.tensor(s.prompt_ids + s.completion_ids).unsqueeze(0)
         with torch.no_grad():
@@ -596,8 +585,6 @@ def test_full_on_the_cpu_eager_engine_of_an_avx2_build_is_on_policy_and_needs_th
 def test_norm_sum_orders_take_variant_norm_and_a_wrong_count_names_the_norms_the_model_runs(arch):
     """``norm_sum_orders`` apply to the variants that align the norms, ``norm`` as well as ``full``; a list of the
     wrong length is refused with the count and the norms this architecture runs (Qwen3's q/k norms included)."""
-    from roundalign.numerics.patch import norm_modules
-
     model = random_qwen(arch, layers=2, hidden=64)
     n = 2 * (2 if arch == "qwen2" else 4) + 1
     apply_alignment(model, "norm", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * n)
@@ -638,8 +625,6 @@ def test_the_recorded_alignment_is_exact_lives_in_the_models_own_config_and_base
     and load_model re-applies): exactly the variant, engine, kernels and any norm orders; a later apply rewrites it
     in the same config object (a user's reference to model.config stays the model's), and baseline removes it. A
     record older than the kernels choice reads as eager kernels."""
-    from roundalign.numerics.patch import recorded_alignment
-
     model = random_qwen("qwen3", layers=2, hidden=64)
     shared = model.config
     apply_alignment(model, "full", "vllm-cpu-compiled", kernels="eager", norm_sum_orders=[(16, 1)] * 9)
@@ -672,10 +657,6 @@ def test_a_model_whose_mlp_is_not_swiglu_is_refused_naming_its_activation():
 @fresh_kernels
 def test_another_architecture_is_refused_with_the_whole_message():
     """The message a Mistral user gets, whole: the class, every supported class, the families' notes and why."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from roundalign.numerics.patch import SUPPORTED_MODEL_CLASSES
-
     mistral = MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
     with pytest.raises(TypeError) as err:
@@ -692,8 +673,6 @@ def test_the_default_kernels_are_compiled_only_for_the_cpu_compiled_engine_on_bf
     """Against vLLM-CPU's compiled engine the regions default to Inductor-compiled kernels (which reduce the RMSNorm
     mean as the engine's graph does: every token bitwise in tests/vllm_cpu/test_real_engine.py, where eager kernels
     left 1 of 449 apart, a test that runs only in .venv-vllm); eager everywhere else, and on fp32 models."""
-    from roundalign.numerics.patch import alignment_of, default_kernels
-
     assert [default_kernels(e) for e in ("vllm-compiled", "vllm-eager", "vllm-cpu-compiled", "vllm-cpu-eager")] == [
         "eager", "eager", "compiled", "eager"]
     assert default_kernels("vllm-cpu-compiled", torch.float32) == "eager"

@@ -5,12 +5,11 @@ real values; all are fast (no slow marker): the first tier of ``make mutation`` 
 import pytest
 import torch
 
-from roundalign.numerics.plan import engine_plan, plan_for
+from roundalign.numerics import plan
+from roundalign.numerics.plan import ENGINES, RoundingPlan, engine_plan, plan_for
 
 
 def test_rounding_plan_accepts_every_documented_value_and_names_what_it_refuses():
-    from roundalign.numerics.plan import RoundingPlan
-
     RoundingPlan(rope="fused-rz")
     RoundingPlan(rope="fused", norm="fused", qk_norm_rope="fused")
     for residual in ("fp32", "fp32-stream"):
@@ -27,8 +26,6 @@ def test_rounding_plan_accepts_every_documented_value_and_names_what_it_refuses(
 @pytest.mark.parametrize("avx512,bf16,build,rope", [(True, True, "_C", "fused"), (True, False, "_C_AVX512", "fused-rz"),
                                                     (False, True, "_C_AVX2", "fused-rz")])
 def test_cpu_kernel_build_and_its_rope_rounding(monkeypatch, avx512, bf16, build, rope):
-    from roundalign.numerics import plan
-
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
     assert plan.cpu_kernel_build() == build
@@ -39,8 +36,6 @@ def test_cpu_kernel_build_and_its_rope_rounding(monkeypatch, avx512, bf16, build
 
 def test_each_variant_copies_exactly_its_regions_of_the_engine_plan():
     """plan_for: "full" is the engine's plan; each single-region variant copies that region only (the rest HF)."""
-    from roundalign.numerics.plan import ENGINES, RoundingPlan
-
     for engine in ENGINES:
         eng = engine_plan(engine)
         assert plan_for(engine, "full") == eng and plan_for(engine, "baseline") == RoundingPlan()

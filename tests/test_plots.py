@@ -6,26 +6,32 @@ reward/mean = step/20 + 0.01*seed; k3 = 1e-4*step for baseline and exactly 0 for
 """
 
 import os
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import seaborn as sns
 import torch
+from matplotlib.figure import Figure
+from matplotlib.transforms import Bbox
 
 torch.set_num_threads(1)  # roundalign imports torch; keep CPU tests single-threaded
 
-from roundalign.analysis.aggregate import Aggregate, RUN_STATUS_COLUMNS, write_aggregate
-from roundalign.cli import main
-from roundalign.analysis.plots import CAPTIONS, FIGURES, make_all
-from roundalign.analysis.plots import _grid, _logaxis, _save, _steps, _style
+from roundalign.analysis.aggregate import ATTRIBUTION_COLUMNS, RUN_STATUS_COLUMNS, Aggregate, write_aggregate
+from roundalign.analysis.plots import (CAPTIONS, FIGURES, OPTIONAL_FIGURES, _grid, _logaxis, _save, _steps, _style,
+                                       dose, make_all, make_sweeps, stress)
 from roundalign.analysis.plots._tables import Tables, load_table
+from roundalign.analysis.plots.fig_attn import arm_table, plot_attn
+from roundalign.analysis.plots.fig_attribution import draw_waterfall, plot_attribution, share
 from roundalign.analysis.plots.fig_is_ratio import plot_is_ratio
 from roundalign.analysis.plots.fig_k3 import plot_k3
 from roundalign.analysis.plots.fig_probe import plot_probe
-from roundalign.analysis.plots.summary import final_mean
+from roundalign.analysis.plots.summary import final_mean, learning
+from roundalign.cli import main
+from roundalign.training.config import TRAIN_VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -116,8 +122,6 @@ def test_final_mean_takes_the_last_tenth_at_least_one():
 
 
 def test_bootstrap_band_matches_seaborn_and_contains_the_mean():
-    import seaborn as sns
-
     values = [0.0, 1.0, 2.0, 7.0]
     df = pd.DataFrame({"step": [1] * 4 + [2], "value": values + [5.0]})
     stats = _steps.mean_and_ci(df, n_boot=4000, seed=0)
@@ -197,7 +201,7 @@ def test_missing_metrics_render_a_no_data_note(tmp_path, capsys):
 
 
 def test_bytes_do_not_depend_on_which_formats_were_saved_first(tmp_path):
-    # with panels of "no data" notes, a second constrained-layout pass used to move the axes slightly
+    # guards against a second constrained-layout pass moving the axes slightly (panels with "no data" notes)
     write_aggregate(_tables(with_is_ratio=False, with_probe=False), tmp_path / "agg")
     make_all(tmp_path / "agg", tmp_path / "a", formats=("png", "pdf"), figures=["fig_is_ratio"], log=lambda _: None)
     make_all(tmp_path / "agg", tmp_path / "b", formats=("pdf",), figures=["fig_is_ratio"], log=lambda _: None)
@@ -231,8 +235,6 @@ def test_cli_plot_selected_figures(agg_dir, tmp_path, capsys):
 
 
 def test_captions_cover_every_output_stem():
-    from roundalign.analysis.plots import OPTIONAL_FIGURES
-
     assert set(CAPTIONS) == set(FIGURES) == set(IMAGE_STEMS) | set(OPTIONAL_FIGURES) | {"summary"}
     assert all(len(c) > 100 and "\n" not in c for c in CAPTIONS.values())
 
@@ -299,8 +301,6 @@ def test_subtitle_says_when_a_line_is_a_single_run(agg_dir):
 
 
 def test_band_is_one_polygon_per_finite_run():
-    from matplotlib.figure import Figure
-
     ax = Figure().subplots()
     x = np.arange(6.0)
     lo = np.array([0.0, 1.0, np.nan, 1.0, 2.0, 3.0])
@@ -312,18 +312,14 @@ def test_band_is_one_polygon_per_finite_run():
 
 
 def test_style_and_palette_are_seaborns_and_every_variant_has_its_own_colour():
-    import seaborn as sns
-
-    from roundalign.training.config import TRAIN_VARIANTS
-
     expected = {**sns.axes_style("whitegrid"), **sns.plotting_context("paper")}
     expected.pop("image.cmap")  # "rocket": registered only by an imported seaborn; no figure draws an image
     assert _style._SEABORN_WHITEGRID_PAPER == expected
     assert _style.COLORBLIND[:10] == sns.color_palette("colorblind", 10).as_hex()
     pal = _style.palette(TRAIN_VARIANTS)
     assert set(pal) == set(_style.VARIANT_COLORS) and set(pal.values()) <= set(_style.COLORBLIND)
-    assert len(set(pal.values())) == len(TRAIN_VARIANTS) == 11  # fp32 used to wrap onto baseline's blue
-    # the stress sweep's nine variants: none of the colours that made two pinks and an orange/tan/yellow trio there
+    assert len(set(pal.values())) == len(TRAIN_VARIANTS) == 11  # guards against fp32 wrapping onto baseline's blue
+    # the stress sweep's nine variants: none of the colours that make two pinks and an orange/tan/yellow trio there
     stress = ["baseline", "rope", "full", "tis", "mis", "fp16", "fp32-head", "full+fp32-head", "fp32"]
     light_pink, tan, yellow = "#fbafe4", "#ca9161", "#ece133"
     assert not {pal[v] for v in stress} & {light_pink, tan, yellow}
@@ -353,8 +349,6 @@ def test_cli_plot_draws_several_sweeps_in_one_process_without_torch(agg_dir, tmp
 def test_parallel_rebuild_writes_the_serial_bytes_and_paths(agg_dir, rendered, tmp_path, capsys):
     # make figures shares the figures out among forked workers (one per core): each figure is still drawn by one
     # process from the same tables, so the files and the returned order must be the serial run's
-    from roundalign.analysis.plots import make_sweeps
-
     a, b = tmp_path / "a", tmp_path / "b"
     serial = make_sweeps([(agg_dir, tmp_path / "s")], formats=("png", "pdf"), log=lambda _: None)
     paths = make_sweeps([(agg_dir, a), (agg_dir, b)], formats=("png", "pdf"), jobs=2, log=lambda _: None)
@@ -380,8 +374,6 @@ def test_grid_figures_keep_every_label_inside_the_figure_and_off_the_other_panel
     # each panel with its tick labels, axis labels and title must stay inside the figure and off its neighbours,
     # the legend and the figure title, on the synthetic tables and on committed sweeps (long log tick labels,
     # nine variants in the legend).
-    from matplotlib.transforms import Bbox
-
     agg = Tables(agg_dir if source == "synthetic" else ROOT / "results" / source / "aggregate")
     figs = {}
     real_save = _save.save
@@ -410,8 +402,6 @@ def test_grid_figures_keep_every_label_inside_the_figure_and_off_the_other_panel
 
 
 def test_learning_gain_and_its_interval_over_seeds_and_steps():
-    from roundalign.analysis.plots.summary import learning
-
     # constant windows: only the seeds vary, so the resampled gains are the means of 2 picks from {0.3, 0.2}
     runs = [(np.full(10, 0.2), np.full(10, 0.5)), (np.full(10, 0.4), np.full(10, 0.6))]
     got = learning(runs)
@@ -428,8 +418,6 @@ def test_learning_gain_and_its_interval_over_seeds_and_steps():
 
 
 def test_attention_figure_pairs_the_arms_of_one_policy():
-    from roundalign.analysis.plots.fig_attn import arm_table, plot_attn
-
     rows, status = [], []
     # policy p trained twice: as model p (sdpa) and as model p.vllm_cpu (the engine's attention); k3 per step
     k3 = {("p", "baseline"): [4e-4, 2e-4, 3e-4], ("p", "full"): [1e-5, 3e-5, 2e-5],
@@ -453,14 +441,14 @@ def test_attention_figure_pairs_the_arms_of_one_policy():
     assert bars["zero_bar:full:vllm_cpu"] == pytest.approx(1e-6) and "bar:full:vllm_cpu" not in bars
     zero = next(p for p in axes[0].patches if p.get_gid() == "zero_bar:full:vllm_cpu")
     assert zero.get_hatch() == "///" and "0" in [t.get_text() for t in axes[0].texts]
-    # an aggregate from before the columns existed: one attention, "(not recorded)", the model as policy
+    # an aggregate without those columns: one attention, "(not recorded)", the model as policy
     old = arm_table(runs, pd.DataFrame(status).drop(columns=["attn", "policy"]))
     assert set(old["attn"]) == {"(not recorded)"} and set(old["policy"]) == {"p", "p.vllm_cpu"}
 
 
 def test_fig_probe_with_many_model_engine_groups_names_each_model_once_and_engines_short():
     # the committed vllm-cpu sweep: 4 models x 6 engine comparisons = 24 groups; upright "model\nengine" labels
-    # were too small to read
+    # are too small to read there
     engines = ["vllm-cpu-compiled", "vllm-cpu-compiled_emulated", "vllm-cpu-compiled_teacher_forced",
                "vllm-cpu-eager", "vllm-cpu-eager_emulated", "vllm-cpu-eager_teacher_forced"]
     models = ["cpu-a", "cpu-b", "cpu-c", "cpu-d"]
@@ -480,7 +468,7 @@ def test_fig_probe_with_many_model_engine_groups_names_each_model_once_and_engin
 
 
 def test_fig_probe_layer_panels_have_a_labelled_tick_above_their_data():
-    # the committed smoke fig_probe had its per-layer values (6e-3..1e-2) above the panels' top tick (1e-3)
+    # guards against per-layer values (6e-3..1e-2, as in the committed smoke fig_probe) above the panels' top tick
     rows = [(m, v, layer, x * (layer + 1)) for m, x in (("m1", 6e-3), ("m2", 1.1e-2))
             for v in ("baseline", "rope") for layer in range(2)]
     probe = pd.DataFrame(columns=["sweep", "model", "engine", "variant", "level", "metric", "value"])
@@ -510,8 +498,6 @@ def _attribution_frame() -> pd.DataFrame:
 
 
 def _attribution_aggregate(path: Path) -> Path:
-    from roundalign.analysis.aggregate import ATTRIBUTION_COLUMNS
-
     t = _tables()
     t.attribution = pd.DataFrame(list(_attribution_frame()), columns=list(ATTRIBUTION_COLUMNS))
     write_aggregate(t, path)
@@ -536,8 +522,6 @@ def test_fig_attribution_asked_for_without_its_table_names_it(agg_dir, tmp_path)
 
 
 def test_fig_attribution_panels_per_model_and_engine_with_exact_zeros_on_the_floor(tmp_path):
-    from roundalign.analysis.plots.fig_attribution import plot_attribution
-
     table = load_table(_attribution_aggregate(tmp_path / "agg"), "attribution")
     fig, axes = plot_attribution(table)
     assert axes.shape == (2, 2)  # models in rows, engines in columns
@@ -563,18 +547,12 @@ def test_fig_attribution_panels_per_model_and_engine_with_exact_zeros_on_the_flo
 
 
 def test_fig_attribution_step_shares_tell_exactly_nothing_from_almost_nothing():
-    from roundalign.analysis.plots.fig_attribution import share
-
     assert [share(r, 1e-4) for r in (0.0, -0.0, 1e-10, -4e-7, 5e-5, -3e-5, 1.03e-4, float("nan"))] == [
         "0", "0", "~0%", "~0%", "50%", "-30%", "103%", "?"]
 
 
 def test_fig_attribution_keeps_its_labels_apart(tmp_path):
     # panel titles, two-line step labels, the legend below and the two-line title: nothing overlaps
-    from matplotlib.transforms import Bbox
-
-    from roundalign.analysis.plots.fig_attribution import plot_attribution
-
     fig, axes = plot_attribution(load_table(_attribution_aggregate(tmp_path / "agg"), "attribution"))
     _save.save(fig, tmp_path, "f", ("png",))  # lays the figure out
     with _style.style():
@@ -588,8 +566,6 @@ def test_fig_attribution_keeps_its_labels_apart(tmp_path):
 
 
 def test_the_commands_waterfall_is_one_png(tmp_path):
-    from roundalign.analysis.plots.fig_attribution import draw_waterfall
-
     rows = [dict(zip(["step", "source", "mode", "metric", "value", "ci_low", "ci_high"], r[3:]))
             for r in _attribution_frame() if r[1:3] == ("m1", "e1")]
     path = draw_waterfall(rows, tmp_path / "waterfall.png", title="m1: e1 (emulated)")
@@ -600,8 +576,6 @@ def test_the_commands_waterfall_is_one_png(tmp_path):
 def _assert_laid_out_apart(name, fig, extra=()):
     # Lay the figure out as _save.save does, then matplotlib's own measure of each panel (tick labels, axis labels,
     # title) must stay inside the figure and off the other panels, the legends, the figure's title and y label.
-    from matplotlib.transforms import Bbox
-
     with _style.style():
         _grid.layout_of(fig)(fig)
         r = fig._get_renderer()
@@ -622,8 +596,6 @@ def _assert_laid_out_apart(name, fig, extra=()):
 def test_stress_and_dose_figures_keep_every_label_inside_the_figure_and_apart(source):
     # the stress figures and dose_gain have fixed margins (_grid.set_margins), not constrained layout: they must fit
     # the committed sweeps (nine variants with long names, three or four doses, log tick labels)
-    from roundalign.analysis.plots import dose, stress
-
     agg = Tables(ROOT / "results" / source / "aggregate")
     runs = agg["stress_runs"]
     figs = {"survival": stress.plot_survival(agg["stress_survival"], runs)[0],

@@ -10,12 +10,17 @@ reference, bitwise.
   residual is HF's bf16 add; gradients through every fused function match float64 autograd.
 """
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
 from roundalign.numerics import regions
+from roundalign.numerics import regions as R
 
 torch.set_num_threads(1)
 
@@ -110,8 +115,6 @@ def ulp_error(result: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
 
 
 def _qwen2_config(head_dim=HEAD_DIM):
-    from transformers import Qwen2Config
-
     return Qwen2Config(hidden_size=HIDDEN, num_attention_heads=HIDDEN // head_dim, num_key_value_heads=1,
                        intermediate_size=4864, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                        max_position_embeddings=32768)
@@ -119,8 +122,6 @@ def _qwen2_config(head_dim=HEAD_DIM):
 
 def _hf_cos_sin(batch, seq, head_dim, seed, max_pos=32768):
     """bf16 (batch, seq, head_dim) cos/sin from transformers' own Qwen2RotaryEmbedding at random positions."""
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
     rotary = Qwen2RotaryEmbedding(_qwen2_config(head_dim))
     g = torch.Generator().manual_seed(20_000 + seed)
     pos = torch.randint(0, max_pos, (batch, seq), generator=g)
@@ -149,8 +150,6 @@ def _rope_inputs(shape, seed, scale):
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("shape", ROPE_SHAPES)
 def test_rope_hf_equals_transformers(shape, scale, seed):
-    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
-
     b, h, t, d = shape
     q, k = _rand(shape, seed, scale), _rand(shape, seed + 100, scale)
     cos, sin = _hf_cos_sin(b, t, d, seed)
@@ -164,8 +163,6 @@ def test_rope_hf_equals_transformers(shape, scale, seed):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("cls_name", ["qwen2.modeling_qwen2.Qwen2RMSNorm", "qwen3.modeling_qwen3.Qwen3RMSNorm"])
 def test_rmsnorm_hf_equals_transformers(cls_name, shape, scale, seed):
-    import importlib
-
     mod_name, cls = cls_name.rsplit(".", 1)
     norm_cls = getattr(importlib.import_module(f"transformers.models.{mod_name}"), cls)
     d = shape[-1]
@@ -184,8 +181,6 @@ def test_rmsnorm_hf_equals_transformers(cls_name, shape, scale, seed):
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("shape", SHAPES + [(2, 3, 4864)])
 def test_swiglu_hf_equals_transformers_act(shape, scale, seed):
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
-
     mlp = Qwen2MLP(_qwen2_config())
     gate, up = _rand(shape, seed, scale), _rand(shape, seed + 100, scale)
     assert torch.equal(regions.swiglu_hf(gate, up), mlp.act_fn(gate) * up)
@@ -194,9 +189,6 @@ def test_swiglu_hf_equals_transformers_act(shape, scale, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_swiglu_hf_inside_qwen2_mlp_forward(seed):
     """The whole stock Qwen2MLP forward equals down_proj(swiglu_hf(gate_proj(x), up_proj(x)))."""
-    from transformers import Qwen2Config
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
-
     torch.manual_seed(seed)
     mlp = Qwen2MLP(Qwen2Config(hidden_size=64, intermediate_size=160)).to(BF16)
     with torch.no_grad():
@@ -236,7 +228,7 @@ def test_rope_fused_equals_numpy(shape, scale, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shape", ROPE_SHAPES)
 def test_rope_fused_fp32_input_equals_numpy(shape, seed):
-    """fp32 x (the unrounded q/k-norm output under the fused q/k norm -> RoPE kernel): now the products
+    """fp32 x (the unrounded q/k-norm output under the fused q/k norm -> RoPE kernel): here the products
     are rounded to fp32 too; torch's eager elementwise kernels do not contract them into FMAs."""
     b, h, t, d = shape
     x = _rand(shape, seed, dtype=torch.float32) * torch.rand(shape, generator=torch.Generator().manual_seed(seed))
@@ -634,7 +626,7 @@ def test_rope_fused_with_distinct_halves_is_the_rotate_half_formula_rounded_once
     assert torch.equal(regions.rope_fused(x, cos, sin), want32.to(BF16))  # round to nearest even, once
     assert torch.equal(regions.rope_fused(x, cos, sin, out_dtype=F32), want32)
     assert torch.equal(regions.rope_fused_rz(x, cos, sin), _truncate_to_bf16(want32))  # vLLM-CPU's C++ kernel
-    # fp32 x (Qwen3's q/k-norm value kept fp32 into RoPE): now the products themselves round to fp32
+    # fp32 x (Qwen3's q/k-norm value kept fp32 into RoPE): here the products themselves round to fp32
     x32 = x.float() * torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=F32)
     assert torch.equal(regions.rope_fused(x32, cos, sin), _ref_rope_fp32(x32, cos, sin).to(BF16))
     # and the region kernels' node (the path the patched attention runs) gives the same bits
@@ -987,10 +979,8 @@ def test_fp32_region_inputs_that_also_feed_the_residual_stream_accumulate_their_
 def test_compiled_norm_kernels_of_two_reduction_orders_keep_their_own_order():
     # regions._with_order binds each order under its own key of a module-level dict that the compiled graph reads
     # as a constant; one shared key would let the last order registered replace an earlier kernel's on its next
-    # trace (Dynamo's guard on the dict entry fails and it retraces with the other order). Found by sampling the
-    # compiled-mode survivors of make mutation against the slow tests: none of them noticed.
-    from roundalign.numerics import regions as R
-
+    # trace (Dynamo's guard on the dict entry fails and it retraces with the other order). No other slow test
+    # kills that mutant (one of make mutation's compiled-mode survivors).
     K = R.region_kernels("compiled")
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(64, 256, generator=g) * 3).to(torch.bfloat16)
@@ -1025,10 +1015,8 @@ def test_compiled_region_backward_is_inductors_compile_of_the_formulas_vjp(regio
     here, with the region's keywords (eps, the reduction order, keep_fp32) reaching it, an output that gets no
     gradient (a norm's residual sum) counted as zeros, and no gradient for an input that needs none. Within 2^-6
     (relative norm) of the eager formula's autograd: an Inductor-independent check that the right function is
-    differentiated. tests/test_compiled_engine.py checks the forwards against the compiled engine; nothing checked
-    this VJP alone."""
-    from roundalign.numerics import regions as R
-
+    differentiated. tests/test_compiled_engine.py checks the forwards against the compiled engine; no other test
+    checks this VJP alone."""
     K = R.region_kernels("compiled")
     g = torch.Generator().manual_seed(41)
     rows, d = 24, 128

@@ -33,13 +33,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from roundalign.envinfo import cpu_kernels, kernel_selection
 from roundalign.analysis.plots._tables import load_table
+from roundalign.envinfo import cpu_kernels, kernel_selection
 from roundalign.training.config import TrainConfig
 from roundalign.training.train import TIMING_KEYS
 
@@ -64,8 +65,6 @@ def _metrics(path: Path) -> list[dict]:
 def _packed(sweep: str, model: str, variant: str, seed: int, name: str) -> bytes | None:
     """A run's file from the sweep's committed chunk archives (the dose sweep packs its runs per chunk:
     tools/cluster/dose_chunks.py), or None."""
-    import tarfile
-
     member = f"results/{sweep}/runs/{model}/{variant}/seed{seed}/{name}"
     for archive in sorted((ROOT / f"results/{sweep}/chunks").glob("*.tar.xz")):
         with tarfile.open(archive) as tar:

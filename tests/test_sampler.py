@@ -8,8 +8,11 @@ the reference of tests/vllm_cpu/test_grpo_real.py."""
 import pytest
 import torch
 import torch.nn.functional as F
+from trl.trainer.utils import add_fused_lm_head
 
+from roundalign.models.tiny import random_qwen
 from roundalign.numerics.sampler import chunk_rows, engine_logprobs
+from roundalign.training.trl_bridge import add_engine_scored_lm_head
 
 
 def _vllm_formula(hidden, weight, bias, targets, temperature):
@@ -96,10 +99,6 @@ def test_bad_input_is_named():
 
 
 def _tiny_with_trl_head(temperature):
-    from trl.trainer.utils import add_fused_lm_head
-
-    from roundalign.models.tiny import random_qwen
-
     model = random_qwen("qwen2", layers=2, dtype=torch.bfloat16)
     add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
     return model
@@ -116,8 +115,6 @@ def _batch(model, seed=0):
 
 
 def test_engine_scored_head_is_the_formula_on_the_models_hidden_states():
-    from roundalign.training.trl_bridge import add_engine_scored_lm_head
-
     model = _tiny_with_trl_head(0.9)
     batch = _batch(model)
     trl_out = model(**batch)
@@ -144,8 +141,5 @@ def test_engine_scored_head_is_the_formula_on_the_models_hidden_states():
 
 
 def test_engine_scored_head_needs_trls_head():
-    from roundalign.models.tiny import random_qwen
-    from roundalign.training.trl_bridge import add_engine_scored_lm_head
-
     with pytest.raises(RuntimeError, match="add_fused_lm_head"):
         add_engine_scored_lm_head(random_qwen("qwen2", layers=1), 1.0)

@@ -17,9 +17,19 @@ import pytest
 import torch
 
 from roundalign import metrics as M
-from roundalign.training.config import ConfigError, build_config
-from roundalign.analysis.stress import gap_table, kaplan_meier, write_stress_tables
+from roundalign.analysis.aggregate import aggregate
+from roundalign.analysis.plots import stress as stress_plots
+from roundalign.analysis.plots.stress import SURVIVAL_ROW, plot_dose, plot_gap, plot_survival, wilson_interval
+from roundalign.analysis.stress import (_frozen, derived_tables, gap_table, kaplan_meier, rewrite_derived_tables,
+                                        survival_table, write_stress_tables)
+from roundalign.engine import EngineModel, KVCache
+from roundalign.io import atomic_write_csv
+from roundalign.models.load import load_model
+from roundalign.models.tiny import make_tiny
+from roundalign.numerics import apply_alignment
 from roundalign.tasks.digits import digits_reward, make_digits_problems
+from roundalign.training.config import ConfigError, build_config
+from roundalign.training.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"log": lambda *a, **k: None}
@@ -131,9 +141,6 @@ def test_gap_bootstrap_interval_holds_the_estimate_and_is_seeded():
 
 def test_derived_tables_rewritten_from_the_committed_runs_table(tmp_path):
     # stress_runs.csv holds floats as repr, so survival and gap recomputed from it are the aggregated ones
-    from roundalign.io import atomic_write_csv
-    from roundalign.analysis.stress import _frozen, derived_tables, rewrite_derived_tables
-
     runs = _arms(baseline=[0.0101, 0.0123, 0.0117], fp32=[1.3e-6, 1.1e-6, 0.9e-6], full=[0.0071, 0.0052, 0.0066])
     runs = runs.assign(time=[120, 40, 120, 120, 120, 120, 120, 120, 97], event=[0, 1, 0, 0, 0, 0, 0, 0, 1])
     atomic_write_csv(_frozen(runs), tmp_path / "stress_runs.csv")
@@ -165,9 +172,6 @@ def _stress_runs(events):
 
 
 def test_survival_rows_run_to_the_horizon_with_the_number_at_risk():
-    from roundalign.analysis.plots.stress import SURVIVAL_ROW, plot_survival
-    from roundalign.analysis.stress import survival_table
-
     runs = _stress_runs({("auto", "baseline", 0): 40, ("auto", "baseline", 1): 75})  # last event at 75
     fig, axes = plot_survival(survival_table(runs), runs)
     assert [ax.get_title() for ax in axes] == ["dose auto", "dose fp8_e4m3"]
@@ -194,9 +198,6 @@ def test_survival_rows_run_to_the_horizon_with_the_number_at_risk():
 
 
 def test_gap_figure_draws_a_note_where_there_is_no_gap_and_intervals_elsewhere():
-    from roundalign.analysis.plots.stress import plot_gap
-    from roundalign.analysis.stress import gap_table
-
     runs = _stress_runs({})
     runs = runs.assign(variant=runs["variant"].where(runs["seed"] != 2, "full"))  # a third arm: full
     gap = gap_table(runs, GAP, num_resamples=200)
@@ -214,8 +215,6 @@ def test_gap_figure_draws_a_note_where_there_is_no_gap_and_intervals_elsewhere()
 
 
 def test_dose_figure_has_a_categorical_dose_axis_and_no_line_across_doses():
-    from roundalign.analysis.plots.stress import plot_dose, wilson_interval
-
     runs = _stress_runs({("fp8_e4m3", "fp32", 0): 30})
     fig, axes = plot_dose(runs)
     for ax in axes:
@@ -274,8 +273,6 @@ def test_fp32_variants_resolve_their_numerics():
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    from roundalign.models.tiny import make_tiny
-
     return str(make_tiny("qwen3", tmp_path_factory.mktemp("stress") / "q3", hidden=32, layers=2, heads=2,
                          kv_heads=1, tie=True, seed=0))
 
@@ -284,10 +281,6 @@ def test_fp32_head_logits_are_fp32_on_both_sides_and_equal_with_equal_kernels(ti
     """The trainer side is TRL's own mechanism (GRPOTrainer.__init__ with cast_lm_head_to_fp32: lm_head.float(),
     an fp32 forward, the tied embedding's output cast back); the engine computes an fp32 GEMM of its fp32-cast
     hidden state. With full alignment and equal kernels (eager engine, same GEMMs) the logits are bitwise equal."""
-    from roundalign.engine import EngineModel, KVCache
-    from roundalign.models.load import load_model
-    from roundalign.numerics import apply_alignment
-
     model = load_model(tiny_qwen3, dtype="bf16", attn="eager")
     apply_alignment(model, "full", "vllm-eager")
     # TRL 1.16's _cast_lm_head_to_fp32 (grpo_trainer.py), applied as the trainer applies it
@@ -310,8 +303,6 @@ def test_reduced_stress_sweep_runs_end_to_end_and_writes_the_survival_table(tiny
     """1 model x 2 variants (baseline, full+fp32-head) + the fp32 floor, 2 steps, through run_train (the sweep's
     code path) with every engine option of configs/stress.yaml except the compiled engine (compiling takes
     minutes on 2 cores; the compiled path is what the pilot ran), then the stress tables."""
-    from roundalign.training.train import run_train
-
     root = tmp_path / "results/stressmini"
     settings = dict(model=tiny_qwen3, task="digits", digits_min_len=4, digits_max_len=8, digits_len_step=4,
                     max_completion_length=9, steps=2, prompts_per_step=2, num_generations=2, per_device_batch_size=4,
@@ -336,9 +327,6 @@ def test_reduced_stress_sweep_runs_end_to_end_and_writes_the_survival_table(tiny
     gap = pd.read_csv(paths["stress_gap"]).set_index("variant")
     assert gap.loc["fp32", "delta"] < gap.loc["baseline", "delta"]
     # the five stress figures from those tables (and the general aggregate's), a categorical dose included
-    from roundalign.analysis.aggregate import aggregate
-    from roundalign.analysis.plots import stress as stress_plots
-
     aggregate(root, root / "aggregate", strict=True, **QUIET)
     made = stress_plots.make(root / "aggregate", tmp_path / "fig", formats=("png",))
     pngs = [p for p in made if p.suffix == ".png"]

@@ -1,10 +1,14 @@
 """Tasks: arith prompts and reward; math loader and math-verify reward on a local fixture."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from roundalign.models.fetch import fetch_model, prepare_math_data
+from roundalign.models.load import load_tokenizer
+from roundalign.models.tiny import make_tiny
 from roundalign.tasks.arith import arith_reward, make_arith_problems
 from roundalign.tasks.math import gold_answer, last_boxed, load_math_dataset, math_reward
 
@@ -21,15 +25,10 @@ def test_arith_is_deterministic_and_correct():
 
 
 def _strip_zeros(expr: str) -> str:
-    import re
-
     return re.sub(r"\b0+(\d)", r"\1", expr)
 
 
 def test_fixed_width_prompts_have_equal_token_counts(tmp_path):
-    from roundalign.models.load import load_tokenizer
-    from roundalign.models.tiny import make_tiny
-
     tok = load_tokenizer(str(make_tiny("qwen2", tmp_path / "m")))
     lengths = {len(tok(p["prompt"], add_special_tokens=False)["input_ids"])
                for p in make_arith_problems(200, seed=0, max_operand=49, fixed_width=True)}
@@ -65,7 +64,6 @@ def test_unbraced_and_fbox_answers_parse_and_rows_without_gold_are_skipped(tmp_p
     assert ds["answer"] == ["2", "x+1"] and [p[1]["content"] for p in ds["prompt"]] == ["a", "c"]
     assert logs == [f"[math] {data}: skipped 2 of 4 rows without a gold answer (no \\boxed{{}}/\\fbox{{}}, '####' or "
                     "answer value)"]
-    from roundalign.models.fetch import prepare_math_data
 
     out = prepare_math_data(str(data), "train", tmp_path / "p.jsonl", log=lambda *_: None)
     assert [json.loads(x)["answer"] for x in out.read_text().splitlines()] == ["2", "x+1"]
@@ -91,8 +89,6 @@ def test_math_loader_errors_are_clear(tmp_path):
 
 
 def test_prepared_math_data_round_trips(tmp_path):
-    from roundalign.models.fetch import prepare_math_data
-
     out = prepare_math_data(str(FIXTURE), "train", tmp_path / "d/math.jsonl", log=lambda *_: None)
     again = load_math_dataset(str(out))
     assert again["answer"] == load_math_dataset(str(FIXTURE))["answer"]
@@ -100,8 +96,6 @@ def test_prepared_math_data_round_trips(tmp_path):
 
 
 def test_fetch_model_without_network_fails_clearly_and_leaves_nothing(tmp_path, monkeypatch):
-    from roundalign.models.fetch import fetch_model
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RuntimeError, match=r"(?s)could not download org/not-cached.*network access"):
         fetch_model("org/not-cached", tmp_path / "m", log=lambda *_: None)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 torch.set_num_threads(1)
 
@@ -186,8 +187,6 @@ def test_qk_outlier_scale(built, arch):
 
 
 def test_tokenizer(built):
-    from transformers import PreTrainedTokenizerFast
-
     tok = load_tokenizer(str(built("qwen2")))
     assert isinstance(tok, PreTrainedTokenizerFast)
     ids = tok(PROMPT).input_ids

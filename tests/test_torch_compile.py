@@ -11,12 +11,19 @@ eager graph. The numbers of both settings are in docs/numerics.md ("torch.compil
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
 from conftest import random_qwen
 
 from roundalign import apply_alignment
+from roundalign.models.pretrain import pretrain_tiny
+from roundalign.models.tiny import make_tiny
+from roundalign.numerics import patch
+from roundalign.training import train as train_mod
+from roundalign.training.config import build_config
+from roundalign.training.train import run_train
 
 torch.set_num_threads(1)
 IDS = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(3))
@@ -66,10 +73,6 @@ def test_default_inductor_moves_stock_and_aligned_alike(arch):
 def test_compiling_an_aligned_model_without_emulated_casts_warns_once(monkeypatch):
     # Inductor's default drops the aligned regions' bf16 roundings (above): a user who compiles an aligned model
     # that way is told, once; with the option, another backend, or a stock model, nothing is said
-    import warnings
-
-    from roundalign.numerics import patch
-
     def warnings_of(model, **compile_kwargs):
         torch._dynamo.reset()
         with warnings.catch_warnings(record=True) as caught:
@@ -137,12 +140,6 @@ def test_trls_torch_compile_path_trains_the_aligned_policy_compiled(tmp_path, mo
     # emulate_precision_casts. Step 1 starts from identical weights and rollouts, so its loss (a function of the
     # compiled forward) equals the eager run's exactly; its gradient comes from Inductor's backward (close, not
     # equal), and later steps drift apart by that.
-    from roundalign.training import train as train_mod
-    from roundalign.training.config import build_config
-    from roundalign.models.pretrain import pretrain_tiny
-    from roundalign.models.tiny import make_tiny
-    from roundalign.training.train import run_train
-
     # warm-started, so that rewards vary within a group and the loss is not zero
     model = pretrain_tiny(make_tiny("qwen2", tmp_path / "tiny", hidden=64, layers=2, seed=0), tmp_path / "sft",
                           steps=400, log=lambda *_: None)

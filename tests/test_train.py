@@ -12,13 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-from roundalign.cli import main
-from roundalign.training.config import ConfigError, build_config
+from roundalign.cli import claim_free_master_port, main
+from roundalign.engine import Engine
+from roundalign.models.load import load_model, load_tokenizer
 from roundalign.models.pretrain import pretrain_tiny
 from roundalign.models.tiny import make_tiny
-from roundalign.training.train import TIMING_KEYS, run_train
+from roundalign.tasks.arith import arith_reward
+from roundalign.training.config import ConfigError, build_config
+from roundalign.training.heldout import HELDOUT_SEED, evaluate_heldout, heldout_problems
+from roundalign.training.train import TIMING_KEYS, _dataset, build_grpo_args, run_train
+from roundalign.training.trl_bridge import EngineSync, RoundalignGRPOTrainer
 
 torch.set_num_threads(1)
 QUIET = dict(log=lambda *_: None)
@@ -213,12 +219,6 @@ def test_under_a_dose_full_stays_at_the_floor_through_training_and_heldout_is_re
 def test_heldout_evaluation_equals_a_hand_count(sft_model):
     # the record's reward is the mean over problems of each problem's mean reward over its engine samples, scored
     # by the task's reward; recomputed here from the engine's own samples, decoded and graded by hand
-    from roundalign.engine import Engine
-    from roundalign.models.load import load_model, load_tokenizer
-    from roundalign.tasks.arith import arith_reward
-    from roundalign.training.heldout import HELDOUT_SEED, evaluate_heldout, heldout_problems
-    from roundalign.training.train import _dataset
-
     c = cfg(sft_model, engine="vllm-eager", heldout_prompts=6, heldout_samples=3)
     tok = load_tokenizer(sft_model)
     eng = Engine(load_model(sft_model), engine="vllm-eager")
@@ -306,9 +306,8 @@ def test_rerun_with_another_config_refuses_to_mix(sft_model, tmp_path):
 
 
 def test_a_finished_run_is_not_taken_as_done_for_a_rebuilt_model_at_the_same_path(sft_model, tmp_path):
-    # a sweep that re-warm-starts a policy at the same path used to re-export the old finished run silently
-    from safetensors.torch import load_file, save_file
-
+    # guards against a sweep that re-warm-starts a policy at the same path silently re-exporting the earlier
+    # model's finished run
     model = tmp_path / "policy"
     shutil.copytree(sft_model, model)
     done = run_train(cfg(str(model), steps=1), tmp_path / "r", **QUIET)
@@ -323,8 +322,6 @@ def test_a_finished_run_is_not_taken_as_done_for_a_rebuilt_model_at_the_same_pat
 
 
 def test_grpo_config_carries_our_settings(tmp_path):
-    from roundalign.training.train import build_grpo_args
-
     base = {"model": "m", "report_to": "tensorboard,wandb", "steps": 7, **FAST}
     args = build_grpo_args(build_config(overrides=base), tmp_path)
     assert args.report_to == ["tensorboard", "wandb"] and args.max_steps == 7
@@ -385,10 +382,6 @@ def test_fp32_master_weights_train_at_a_paper_learning_rate(sft_model, tmp_path,
     # bf16 compute, fp32 master: at lr 1e-6 stepping bf16 weights loses almost every update (an update
     # below half a bf16 ulp rounds away); the fp32 masters keep them, and the model/engine hold the masters
     # rounded to bf16 after every step.
-    from transformers import AutoModelForCausalLM
-
-    from roundalign.training.trl_bridge import EngineSync
-
     synced = []
     original = EngineSync.sync_weights
 
@@ -440,8 +433,6 @@ def test_variable_length_prompts_stay_on_policy_with_positions_from_the_mask(sft
     # TRL left-pads prompts of different token lengths; the engine (like vLLM) runs each from position 0.
     # With positions from the attention mask `full` stays bitwise-logit-equal to the engine; with transformers'
     # default arange positions the padded sequences sit at shifted RoPE positions and `full` drifts off policy.
-    from roundalign.training.trl_bridge import RoundalignGRPOTrainer
-
     monkeypatch.setattr(RoundalignGRPOTrainer, "_position_fix", position_fix)
     kw = dict(steps=3, prompt_style="variable")
     full = run_train(cfg(sft_model, variant="full", **kw), tmp_path / "full", **QUIET)
@@ -468,8 +459,6 @@ DS_ZERO_KEYS = {"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_
 def test_zero3_computes_in_16_bit_with_fp32_masters(tmp_path, variant, bf16, fp16):
     # DeepSpeed is not installed on CPU: check the config against its key names and that our GRPO arguments
     # fill its "auto" precision keys (16-bit model, so ZeRO-3 keeps fp32 master partitions)
-    from roundalign.training.train import build_grpo_args
-
     ds = json.loads((Path(__file__).parents[1] / "configs/accelerate/zero3.json").read_text())
     assert set(ds) <= DS_TOP_KEYS and set(ds["zero_optimization"]) <= DS_ZERO_KEYS
     assert ds["zero_optimization"]["stage"] == 3 and ds["communication_data_type"] == "fp32"
@@ -484,10 +473,6 @@ def test_zero3_computes_in_16_bit_with_fp32_masters(tmp_path, variant, bf16, fp1
 
 def test_a_process_started_alone_takes_a_free_master_port(monkeypatch):
     # Two vLLM-backed runs side by side both bound accelerate's default 29500 (EADDRINUSE); a launcher's port stands.
-    import os
-
-    from roundalign.cli import claim_free_master_port
-
     for key in ("WORLD_SIZE", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     claim_free_master_port()

@@ -3,7 +3,9 @@ private surface: re-read the named TRL code and port roundalign/training/trl_bri
 
 import inspect
 
+import torch
 import trl
+from transformers import Trainer
 from trl import GRPOTrainer
 from trl.generation import vllm_generation
 from trl.trainer import utils as trl_utils
@@ -64,8 +66,6 @@ def test_renamed_metrics_still_exist_in_trl():
 
 
 def test_is_stats_matches_trl_bounds():
-    import torch
-
     delta = torch.log(torch.tensor([[4.0, 1.0, 0.5], [1.0, 1.0, 1.0]]))
     mask = torch.tensor([[True, True, True], [True, True, False]])
     # token_truncate, cap 3: of 5 tokens only ratio 4 exceeds the cap
@@ -84,8 +84,6 @@ def test_logprob_helper_scores_without_position_ids_through_a_module_call():
 
 
 def test_trainer_hooks_used_by_fp32_master_weights():
-    from transformers import Trainer
-
     loop = src(Trainer._run_epoch)
     assert "grad_norm = self._clip_grad_norm(model)" in loop and "self.optimizer.step()" in loop
     assert "self.create_optimizer()" in src(Trainer._prepare_for_training)

@@ -7,6 +7,9 @@ from importlib import metadata
 from pathlib import Path
 
 import yaml
+from accelerate.commands.config.config_args import ClusterConfig
+from packaging.version import Version
+from trl import import_utils
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,9 +77,6 @@ def test_environment_yml_pins_match_pyproject():
 
 def test_vllm_pin_is_accepted_by_trl():
     # trl refuses vLLM outside the range its import_utils names; the gpu extra must sit inside it.
-    from packaging.version import Version
-    from trl import import_utils
-
     src = Path(import_utils.__file__).read_text()
     low, high = re.search(r'Version\("([\d.]+)"\) <= _vllm_base_version <= Version\("([\d.]+)"\)', src).groups()
     assert Version(low) <= Version(pyproject_pins()["vllm"]) <= Version(high)
@@ -84,8 +84,6 @@ def test_vllm_pin_is_accepted_by_trl():
 
 def test_accelerate_configs_parse_without_mixed_precision():
     # the policy holds bf16 weights itself; autocast would move rounding points (roundalign/training/train.py)
-    from accelerate.commands.config.config_args import ClusterConfig
-
     names = sorted(p.name for p in (ROOT / "configs/accelerate").glob("*.yaml"))
     assert names == ["cpu.yaml", "ddp.yaml", "fsdp.yaml", "zero3.yaml"]
     for name in names:

@@ -23,6 +23,9 @@ against the sources as well.
 from __future__ import annotations
 
 import ast
+import importlib.machinery
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -33,8 +36,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.utils.generic import is_flash_attention_requested
 
 from roundalign.bridge import vllm_flash
+from roundalign.engine import Engine
+from roundalign.models.load import load_model
+from roundalign.models.tiny import random_qwen
+from roundalign.training.config import ConfigError, TrainConfig
+from roundalign.training.preflight import preflight
 
 torch.set_num_threads(1)
 
@@ -251,8 +260,6 @@ def _attention_f64(q, k, v, scale):
 
 
 def test_stand_in_signatures_are_vllm_0_31_0s():
-    import inspect
-
     for fn, section in ((flash_attn_varlen_func, "vllm/vllm_flash_attn/flash_attn_interface.py:176-217"),
                         (get_scheduler_metadata, "vllm/vllm_flash_attn/flash_attn_interface.py:122-143")):
         ours = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
@@ -415,9 +422,6 @@ def test_register_sets_num_splits_and_no_grad_scoring_takes_a_sliding_window(sta
 
 
 def test_a_model_trains_through_the_bridge_and_load_model_switches_to_it(stand_in, tmp_path):
-    from roundalign.models.load import load_model
-    from roundalign.models.tiny import random_qwen
-
     vllm_flash.register()
     model = random_qwen("qwen2", tie=False, layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, seed=5)
     g = torch.Generator().manual_seed(0)
@@ -441,8 +445,6 @@ def test_a_model_trains_through_the_bridge_and_load_model_switches_to_it(stand_i
     loaded = load_model(str(tmp_path / "m"), attn="vllm_flash")
     assert loaded.config._attn_implementation == vllm_flash.HF_ATTN_NAME == "vllm_fa"
     # transformers takes any name with "flash" in it for flash-attn: why the bridge is registered as vllm_fa
-    from transformers.utils.generic import is_flash_attention_requested
-
     assert is_flash_attention_requested(requested_attention_implementation="vllm_flash")
     assert not is_flash_attention_requested(requested_attention_implementation=vllm_flash.HF_ATTN_NAME)
 
@@ -497,9 +499,6 @@ def test_needs_vllms_cuda_build(monkeypatch):
 
 
 def test_cuda_build_problem_reads_the_installed_files(monkeypatch, tmp_path):
-    import importlib.machinery
-    import importlib.util
-
     real_find_spec = importlib.util.find_spec
 
     def find(found):
@@ -529,9 +528,6 @@ def _tiny_model_dir(tmp_path, hidden=128, heads=4):
 
 
 def test_preflight_refuses_vllm_flash_before_anything_loads(tmp_path, monkeypatch):
-    from roundalign.training.config import TrainConfig
-    from roundalign.training.preflight import preflight
-
     model = _tiny_model_dir(tmp_path)
 
     def refused(match, **kw):
@@ -557,10 +553,6 @@ def test_preflight_refuses_vllm_flash_before_anything_loads(tmp_path, monkeypatc
 
 
 def test_the_emulated_engine_refuses_vllm_flash():
-    from roundalign.training.config import ConfigError, TrainConfig
-    from roundalign.engine import Engine
-    from roundalign.models.tiny import random_qwen
-
     model = random_qwen("qwen2", layers=1, hidden=64, heads=2, kv_heads=1, vocab=64, seed=0)
     with pytest.raises(ValueError, match="unknown attention implementation 'vllm_flash'.*eager, sdpa, vllm_cpu"):
         Engine(model, attn="vllm_flash")

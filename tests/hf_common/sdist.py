@@ -22,6 +22,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import transformers
+
 TRANSFORMERS_VERSION = "5.17.0"
 # sha256 of transformers-5.17.0.tar.gz as PyPI serves it (checked after every download)
 SDIST_SHA256 = "a153be279169b55b92d8000bf4af294aed684503d091cca7804da2dd8a9de000"
@@ -44,8 +46,6 @@ def cache_dir() -> Path:
 
 
 def check_installed_transformers() -> None:
-    import transformers
-
     if transformers.__version__ != TRANSFORMERS_VERSION:
         raise RuntimeError(f"transformers {transformers.__version__} is installed; these are the v{TRANSFORMERS_VERSION} "
                            f"tests, pinned in pyproject.toml (pip install -e '.[test]')")

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from roundalign import apply_alignment
 from roundalign.envinfo import environment_info
@@ -89,7 +90,6 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     env = environment_info()
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
              f"batch 2 x {args.seq} tokens, bf16, sdpa, "
              f"fullgraph static-shape compiles, {args.rounds} interleaved rounds; ratio = median / median of "
              f"'{REFERENCE}'",
-             # the CPU decides the kernels and so the times: records before this line did not name it
+             # the CPU decides the kernels and so the times: the record names it
              f"CPU: {kernels['model']}, ATen {kernels['torch_capability']}, ISA {' '.join(kernels['isa'])}; "
              f"{os.cpu_count()} CPUs, 5-min load average {load:.1f} at the start",
              f"{'arch':6} {'arm':33} {'median ms':>10} {'ratio':>7} {'ratio min..max over rounds':>28}"]

@@ -29,18 +29,17 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from roundalign import apply_alignment
-from roundalign.verify.activation_memory import step_memory
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_text
+from roundalign.verify.activation_memory import step_memory
 
 VARIANTS = ("baseline", "full/eager", "full/compiled")
 
 
 def tiny_model(arch: str) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     cfg = cfg_cls(hidden_size=256, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=4096,

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from transformers.utils import logging as hf_logging
 
 from roundalign import apply_alignment
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_text
 from roundalign.models.load import load_model
-from roundalign.probes.probe import ProbeConfig, run_probe
 from roundalign.models.tiny import make_tiny
+from roundalign.probes.probe import ProbeConfig, run_probe
 
 
 def time_variants(arch: str, root: Path, rounds: int, seq: int) -> dict[str, list[float]]:
@@ -125,7 +126,6 @@ def main(argv=None) -> int:
     p.add_argument("--skip-timing", action="store_true", help="only part 2")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     buf = io.StringIO()

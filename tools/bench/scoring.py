@@ -15,11 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
+
+from roundalign.io import atomic_write_text
+from roundalign.numerics.sampler import engine_logprobs, engine_logprobs_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, HIDDEN = 151_936, 1_536
@@ -27,10 +33,6 @@ ARMS = ("engine_chunked", "trl_fused", "engine_unchunked")
 
 
 def _arm(name: str, tokens: int) -> dict:
-    import resource
-
-    import torch
-
     torch.manual_seed(0)
     # made in bf16 directly: an fp32 temporary of the head (890 MiB) would set the process's peak before any arm runs
     hidden = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16).requires_grad_()
@@ -39,15 +41,13 @@ def _arm(name: str, tokens: int) -> dict:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
     if name == "engine_chunked":
-        from roundalign.numerics.sampler import engine_logprobs
-
         lp, ent = engine_logprobs(hidden, weight, None, targets, 1.0, entropy=True)
     elif name == "engine_unchunked":
         x = torch.nn.functional.linear(hidden, weight).float().div(torch.full((tokens, 1), 1.0)).log_softmax(-1)
         lp, ent = x.gather(-1, targets[:, None]).squeeze(-1), -(x.exp() * x).sum(-1)
         del x  # the graph keeps what its backward needs
     else:
-        from trl.kernels import ChunkedLogProbFunction
+        from trl.kernels import ChunkedLogProbFunction  # noqa: PLC0415 -- lazy: TRL stays out of the other arms' peak RSS
 
         lp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0,
                                                    ("log_probs", "entropy"))
@@ -59,8 +59,6 @@ def _arm(name: str, tokens: int) -> dict:
            "logp_sum": float(lp.detach().double().sum())}
     if name == "engine_chunked":  # bitwise the unchunked formula, computed here without a gradient
         with torch.no_grad():
-            from roundalign.numerics.sampler import engine_logprobs_reference
-
             ref = engine_logprobs_reference(hidden.detach(), weight.detach(), None, targets, 1.0)
         out["bitwise_unchunked"] = bool(torch.equal(lp.detach(), ref))
     return out
@@ -84,7 +82,6 @@ def main(argv=None) -> int:
                                    str(a.tokens)], capture_output=True, text=True, check=True, cwd=ROOT)
             results[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"[bench-scoring] round {r + 1} {arm}: {results[arm][-1]}", file=sys.stderr)
-    import torch
 
     lines = [f"# scoring {a.tokens} tokens over a {VOCAB:,} x {HIDDEN:,} bf16 head, fresh process per arm, {a.rounds} "
              f"rounds in turns (torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -103,8 +100,6 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if a.out:
-        from roundalign.io import atomic_write_text
-
         atomic_write_text(a.out, text)
     return 0
 

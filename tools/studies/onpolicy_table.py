@@ -25,10 +25,14 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+from snakemake.utils import validate
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from roundalign.io import atomic_write_text  # noqa: E402
+from roundalign.models.load import weights_fingerprint  # noqa: E402
 from roundalign.training.sweep import Sweep  # noqa: E402
 
 FLOOR = 1e-10
@@ -52,8 +56,6 @@ def _row(model: str, mode: str, variant: str, seed: int, steps: list[dict]) -> s
 
 
 def main(argv=None) -> int:
-    import yaml
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/vllm-cpu.yaml")
     p.add_argument("--results", default="results/vllm-cpu")
@@ -69,14 +71,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"warm-started models missing under {models_dir}: {', '.join(missing)} (run the vllm-cpu "
                          f"sweep first: snakemake --cores 2 --configfile {args.config})")
     # the sweep's own train settings (Sweep fills the schema's defaults as the workflow does), eager engine
-    from snakemake.utils import validate
-
     validate(cfg, str(ROOT / "workflow/schemas/sweep.schema.yaml"), set_default=True)
     sweep = Sweep(cfg)
     out = results / "onpolicy_eager"
     t0 = time.time()
     jobs = []
-    from roundalign.models.load import weights_fingerprint
 
     for model in built:
         entry = f"{model}.vllm_cpu" if f"{model}.vllm_cpu" in cfg["models"] else model

@@ -29,10 +29,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
+from roundalign.bridge import vllm_cpu
+from roundalign.envinfo import environment_info
+from roundalign.io import atomic_write_json, check_writable
+from roundalign.models.load import load_model, load_tokenizer
+from roundalign.probes.attribute import AttributeConfig, trainer_logprobs, trainer_state, vllm_engine_side
+from roundalign.probes.attribution_stats import per_sequence, resample_metrics
+from roundalign.probes.probe import ProbeConfig, _prompts
+
 
 def _stats(train, ref) -> dict:
-    from roundalign.probes.attribution_stats import per_sequence, resample_metrics
-
     s = per_sequence(train, ref)
     m = resample_metrics(s, torch.arange(len(train)))
     deltas = torch.cat([t.double() - r.double() for t, r in zip(train, ref)])
@@ -44,19 +50,12 @@ def _stats(train, ref) -> dict:
 
 
 def _trainer(model, data, state, cfg, pad_id):
-    from roundalign.probes.attribute import trainer_logprobs, trainer_state
-
     with trainer_state(model, frozenset(state), cfg, data):
         return trainer_logprobs(model, data, frozenset(state), cfg, pad_id)
 
 
 def measure(model_dir: str, *, prompts: int = 32, max_new_tokens: int = 24, engine: str = "vllm-cpu-eager",
             log=print) -> dict:
-    from roundalign.bridge import vllm_cpu
-    from roundalign.models.load import load_model, load_tokenizer
-    from roundalign.probes.attribute import AttributeConfig, vllm_engine_side
-    from roundalign.probes.probe import ProbeConfig, _prompts
-
     vllm_cpu.small_kv_cache()
     tok = load_tokenizer(model_dir)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -102,7 +101,6 @@ def measure(model_dir: str, *, prompts: int = 32, max_new_tokens: int = 24, engi
                           "trainer_T1": _stats(forgot, data.decode_logp)}
     log(f"[effects] T=0.7 on both sides: k3 {out['temperature']['both_sides']['k3']:.2e}; trainer at T=1: k3 "
         f"{out['temperature']['trainer_T1']['k3']:.2e}, IS ratio mean {out['temperature']['trainer_T1']['is_ratio_mean']:.3g}")
-    from roundalign.envinfo import environment_info
 
     out["environment"] = environment_info()
     return out
@@ -117,7 +115,6 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", default="vllm-cpu-eager")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from roundalign.io import atomic_write_json, check_writable
 
     check_writable(Path(args.out))
     res = measure(args.model, prompts=args.prompts, max_new_tokens=args.max_new_tokens, engine=args.engine)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
@@ -40,8 +41,6 @@ def _k3(csv: Path, variant: str) -> tuple[float, float, int]:
 
 
 def main(argv=None) -> int:
-    import yaml
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/vllm-cpu.yaml")
     p.add_argument("--results", default="results/vllm-cpu")
