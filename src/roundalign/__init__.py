@@ -13,7 +13,7 @@ def __getattr__(name):
     # Lazy (PEP 562): ``import roundalign.training.sweep`` (what the Snakefile does on every invocation) must not pay for
     # torch + transformers, which ``numerics.patch`` imports; a dry run of the paper sweep took 8-10 s with them.
     if name in ("apply_alignment", "alignment_of", "ENGINES", "VARIANTS"):
-        from roundalign import numerics
+        from roundalign import numerics  # noqa: PLC0415 -- lazy: torch + transformers, kept off `import roundalign`
 
         return getattr(numerics, name)
     raise AttributeError(f"module 'roundalign' has no attribute {name!r}")

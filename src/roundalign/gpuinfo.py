@@ -13,6 +13,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import torch
+
 # Lowest driver branch that runs each CUDA major version (minor-version compatibility floor).
 MIN_DRIVER = {12: 525, 13: 580}
 
@@ -53,8 +55,6 @@ def driver_problem(torch_cuda: str | None, driver: str | None) -> str | None:
 
 def cuda_report() -> dict:
     """torch's CUDA version, the driver, the GPUs torch sees (and nvidia-smi lists), and any problem."""
-    import torch
-
     driver, smi_gpus = nvidia_smi()
     available = torch.cuda.is_available()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if available else []

@@ -29,6 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import statsmodels.formula.api as smf
+from scipy import stats
+from statsmodels.stats.contingency_tables import Table
+from statsmodels.stats.multitest import multipletests
 
 from roundalign.io import atomic_write_csv
 
@@ -158,11 +162,6 @@ def hypothesis_tests(outcome: pd.DataFrame) -> pd.DataFrame:
     - ``remedy``: tis and mis against baseline per dose, as H1's Welch test (reported, not a hypothesis).
     ``significant`` applies α = 0.05 to ``p_holm`` where there is one, else to ``p_value``; for the interval-only rows
     it is the interval's verdict as the pre-registration words it."""
-    import statsmodels.formula.api as smf
-    from scipy import stats
-    from statsmodels.stats.contingency_tables import Table
-    from statsmodels.stats.multitest import multipletests
-
     rng = np.random.default_rng(0)
     idx = _dose_index(outcome)
     doses = sorted(idx, key=idx.get)

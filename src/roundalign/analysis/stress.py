@@ -126,7 +126,7 @@ def kaplan_meier(time, event) -> pd.DataFrame:
     Returns one row per distinct event time (plus t = 0): time, num_at_risk, num_events, survival, ci_low,
     ci_high. Censoring at the same time as an event counts the censored run as at risk at that time (the usual
     convention)."""
-    from statsmodels.duration.survfunc import SurvfuncRight
+    from statsmodels.duration.survfunc import SurvfuncRight  # noqa: PLC0415 -- lazy: statsmodels, off analysis.plots
 
     t = np.asarray(time, dtype=float)
     e = np.asarray(event, dtype=int)

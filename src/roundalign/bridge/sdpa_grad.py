@@ -6,6 +6,7 @@ trainer takes: the bridges change where the forward rounds, not how the update i
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -48,8 +49,6 @@ def sdpa_grad_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 def _sdpa_grad_stacked(query, key, value, spans, scale, grad_out):
     """``sdpa_grad_per_request`` with the requests of one (queries, keys) shape stacked into one math-kernel call."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     groups: dict[tuple[int, int], list] = {}
     for span in spans:

@@ -49,10 +49,10 @@ class VllmCpuUnavailable(ImportError):
 def _vllm():
     request_amx()
     try:  # vLLM is an optional dependency (its CPU build, .venv-vllm): imported when the kernels are first called
-        import vllm  # noqa: F401
-        from vllm import _custom_ops as ops
-        from vllm import envs
-        from vllm.v1.attention.backends import cpu_attn
+        import vllm  # noqa: PLC0415 -- optional: vllm
+        from vllm import _custom_ops as ops  # noqa: PLC0415 -- optional: vllm
+        from vllm import envs  # noqa: PLC0415 -- optional: vllm
+        from vllm.v1.attention.backends import cpu_attn  # noqa: PLC0415 -- optional: vllm
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise VllmCpuUnavailable(
             f"vLLM's CPU build is not importable here ({e}); `make vllm-env` creates .venv-vllm with "

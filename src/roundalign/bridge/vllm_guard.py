@@ -34,8 +34,11 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
+from roundalign.bridge.vllm_internals import colocated_llm, unwrap_llm, vllm_config
 # CompilationMode values (vllm/config/compilation.py:37-51, an IntEnum), kept with the guard checks that read them
 from roundalign.numerics.engines import COMPILE_NONE, DYNAMO_TRACE_ONCE, VLLM_COMPILE  # noqa: F401
+from roundalign.numerics.engines import counterpart, spec
+from roundalign.numerics.plan import cpu_kernel_build
 
 # The version whose compiler behaviour the plans were derived from (docs/numerics.md).
 TARGET_VLLM_VERSION = "0.31.0"
@@ -77,8 +80,6 @@ def vllm_config_of(llm):
     """``LLM.llm_engine.vllm_config`` (vllm/entrypoints/llm.py:344 sets llm_engine; vllm/v1/engine/llm_engine.py:64
     stores vllm_config). Accepts the LLM, TRL's VLLMGeneration (``.llm``, trl/generation/vllm_generation.py:347)
     or a VllmConfig itself."""
-    from roundalign.bridge.vllm_internals import unwrap_llm, vllm_config
-
     obj = unwrap_llm(llm)  # TRL's VLLMGeneration holds the LLM as .llm
     if hasattr(obj, "llm_engine"):
         obj = vllm_config(obj)
@@ -106,8 +107,6 @@ def engine_settings(llm, vllm_version: str | None = None) -> dict:
     device_type = getattr(getattr(cfg, "device_config", None), "device_type", None)  # vllm/config/device.py:53
     cpu_extra = {}
     if device_type == "cpu":
-        from roundalign.numerics.plan import cpu_kernel_build
-
         # vllm/platforms/cpu.py:612-643 (import_kernels); the RoPE kernel's rounding depends on it
         cpu_extra = {"cpu_kernel_build": cpu_kernel_build(), "splitting_ops": list(cc.splitting_ops or []),
                      "cpu_attn_split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") not in ("", "0"),
@@ -140,8 +139,6 @@ def map_problems(settings: dict, engine: str) -> list[str]:
     """Every way ``settings`` (from ``engine_settings``) departs from the map of ``engine``; [] when it rounds
     as the alignment targets. The checks every engine shares are here; each engine's own are data in its
     registry record (``roundalign.numerics.engines``, ``EngineSpec.guard``)."""
-    from roundalign.numerics.engines import counterpart, spec
-
     e = spec(engine)
     s = settings
     out = []
@@ -193,8 +190,6 @@ def guard_trainer(trainer, engine: str, vllm_mode: str, log=print) -> dict:
         log("[vllm-guard] vllm_mode=server: the server's engine is not inspected; start it with the options "
             "of the engine mode you align to")
         return {"checked": False, "reason": "vllm_mode=server: the engine runs in another process"}
-    from roundalign.bridge.vllm_internals import colocated_llm
-
     llm = colocated_llm(trainer)
     if llm is None:
         raise RuntimeError("the trainer has no colocated vLLM engine (trainer.vllm_generation.llm); "

@@ -72,6 +72,6 @@ def inductor_cache_dir(llm) -> Path | None:
 
 def cpu_gemm_utils():
     """The module that holds vLLM-CPU's GEMM dispatch (``dispatch_cpu_unquantized_gemm``)."""
-    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers import utils  # noqa: PLC0415 -- optional: vllm
 
     return utils

@@ -3,6 +3,8 @@
 Knows token ids and dtypes, not datasets or tokenizers. See ``model.py`` for what is emulated.
 """
 
+import importlib
+
 from roundalign.engine.choices import ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES, NORM_REDUCTIONS
 
 _LAZY = {"Engine": "generate", "NonFiniteLogitsError": "generate", "Sample": "generate", "EngineModel": "model",
@@ -12,8 +14,6 @@ _LAZY = {"Engine": "generate", "NonFiniteLogitsError": "generate", "Sample": "ge
 def __getattr__(name):
     # lazy (PEP 562): the option names above are read by config checks that must not import torch
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'roundalign.engine' has no attribute {name!r}")
 

@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from roundalign.engine.choices import NORM_REDUCTIONS  # re-exported
 from roundalign.numerics import regions as R
 from roundalign.numerics import vllm_native as V
 
@@ -56,7 +58,6 @@ REGION_SETS = {
     "norm": frozenset({"norm"}),
     "baseline": frozenset(),
 }
-from roundalign.engine.choices import NORM_REDUCTIONS  # noqa: E402  (re-exported)
 
 # ----------------------------------------------------------------------------------------------
 # Opaque ops. Each runs an eager kernel; Inductor sees a call it cannot look into.
@@ -170,8 +171,6 @@ _ATTENTION_OWNERS: dict = {}
 
 def register_attention_owner(owner) -> Tensor:
     """A handle (0-dim int64 tensor) by which the one-graph engine's attention op finds ``owner``."""
-    import weakref
-
     handle = id(owner)
     _ATTENTION_OWNERS[handle] = owner
     weakref.finalize(owner, _ATTENTION_OWNERS.pop, handle, None)

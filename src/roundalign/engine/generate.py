@@ -193,7 +193,7 @@ def sample_with_logprobs(llm, prompts: list[list[int]], *, temperature: float, m
                          top_p: float = 1.0, top_k: int = 0) -> list[Sample]:
     """One completion per prompt from a built ``vllm.LLM``, each with the logprob vLLM reports for every sampled
     token (in the LLM's ``logprobs_mode``); prompt i samples with seed ``seed * 1_000_003 + i``."""
-    import vllm  # a real engine: vLLM is not a dependency of the emulated one
+    import vllm  # noqa: PLC0415 -- optional: vllm (the real engine; the emulated one needs none)
 
     params = [vllm.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
                                   seed=seed * 1_000_003 + i, max_tokens=max_new_tokens, logprobs=0)

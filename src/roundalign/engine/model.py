@@ -44,7 +44,7 @@ from roundalign.numerics.engines import DEFAULT_ENGINE, spec as engine_spec, wit
 from roundalign.numerics.plan import RoundingPlan, engine_plan, plan_for
 from roundalign.engine import compiled
 
-from roundalign.engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: E402, F401  (re-exported)
+from roundalign.engine.choices import ATTN_IMPLS, ENGINE_ATTN_IMPLS, ENGINE_GEMMS, KV_CACHE_DTYPES  # noqa: F401  (re-exported)
 SOFTMAX_MIN_COLS = 64
 ATTN_MIN_ROWS = 16
 
@@ -248,7 +248,7 @@ class EngineModel:
     def sync_weights(self, model: nn.Module) -> None:
         """Copy every weight from ``model`` (the trainer) into the engine's private tensors."""
         trunk = decoder_trunk(model)
-        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+        clone = lambda t: None if t is None else t.detach().clone()
         # the compute dtype: the final norm's (TRL's cast_lm_head_to_fp32 makes a tied embedding table fp32 and
         # casts its output back to the model dtype; the norms keep it)
         self.dtype = trunk.norm.weight.dtype
@@ -324,8 +324,8 @@ class EngineModel:
         impl = self.attn_decode if q.shape[2] == 1 and k.shape[2] > 1 else self.attn
         if impl == "vllm_cpu":
             # vLLM's own CPU kernel, one request per sequence (roundalign.bridge.vllm_cpu_attention), on the un-repeated
-            # K/V heads; imported here, as only this attention needs vLLM's CPU build
-            from roundalign.bridge.vllm_cpu_attention import attend_one
+            # K/V heads; imported here, as importing it requests the AMX tile state (roundalign.bridge.vllm_cpu)
+            from roundalign.bridge.vllm_cpu_attention import attend_one  # noqa: PLC0415 -- lazy: requests AMX on import
 
             k, v = k[:, ::rep], v[:, ::rep]
             out = torch.stack([attend_one(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+
+from roundalign.io import atomic_dir, atomic_write_text
+from roundalign.tasks.math import load_math_dataset
+
 
 def fetch_model(hub_id: str, out_dir: str | Path, revision: str = "main", log=print) -> Path:
     """Download a model snapshot (weights, config, tokenizer) into ``out_dir``."""
-    from huggingface_hub import snapshot_download
-
-    from roundalign.io import atomic_dir
-
     out_dir = Path(out_dir)
     log(f"[fetch-model] {hub_id}@{revision} -> {out_dir}")
     with atomic_dir(out_dir) as tmp:
@@ -29,9 +30,6 @@ def fetch_model(hub_id: str, out_dir: str | Path, revision: str = "main", log=pr
 
 def prepare_math_data(dataset: str, split: str, out_file: str | Path, log=print) -> Path:
     """Write a hub math dataset as JSONL with ``problem`` and ``answer`` (the gold answer) per line."""
-    from roundalign.io import atomic_write_text
-    from roundalign.tasks.math import load_math_dataset
-
     ds = load_math_dataset(dataset, split=split, log=log)  # rows without a gold answer: skipped, counted
     lines = [json.dumps({"problem": row["prompt"][-1]["content"], "answer": row["answer"]}) for row in ds]
     atomic_write_text(out_file, "\n".join(lines) + "\n")

@@ -28,14 +28,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants, snapshot_download
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from roundalign.bridge import vllm_flash
 from roundalign.engine.choices import ATTN_IMPLS  # eager, sdpa, vllm_cpu, vllm_flash
 from roundalign.numerics.families import FAMILIES, not_aligned_yet
+from roundalign.numerics.patch import apply_alignment, recorded_alignment
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -69,8 +76,6 @@ def check_model_config(config_file: str | os.PathLike) -> dict:
     """Read a model's ``config.json`` and check what roundalign needs of it, before any weight is loaded: valid
     JSON, the ``model_type`` of a family the alignment has (``numerics/families.py``), and attention dimensions that
     fit together. Raises :class:`ModelConfigError` with one line naming the file and the problem."""
-    import json
-
     f = Path(config_file)
     try:
         cfg = json.loads(f.read_text())
@@ -122,8 +127,6 @@ def resolve_model_path(path_or_id: str) -> str:
     if _looks_local(s) or not _HUB_ID_RE.fullmatch(s):
         raise FileNotFoundError(f"model path {s!r} does not exist")
 
-    from huggingface_hub import snapshot_download
-
     try:
         snap = snapshot_download(repo_id=s, local_files_only=True)
     except Exception as e:  # LocalEntryNotFoundError, HFValidationError, ...
@@ -139,10 +142,8 @@ def resolve_model_path(path_or_id: str) -> str:
 
 def _hf_cache_dir() -> str:
     try:
-        from huggingface_hub import constants
-
         return str(constants.HF_HUB_CACHE)
-    except Exception:  # pragma: no cover - very old huggingface_hub
+    except Exception:  # pragma: no cover - a huggingface_hub without HF_HUB_CACHE
         return "HF_HUB_CACHE"
 
 
@@ -154,26 +155,21 @@ def load_model(path_or_id: str, dtype: str = "bf16", attn: str = "eager"):
         raise ValueError(f"unknown attn {attn!r}; valid choices: {', '.join(ATTN_IMPLS)}")
     path = resolve_model_path(path_or_id)
 
-    from transformers import AutoModelForCausalLM
-
     _check_weight_shapes(Path(path))
     bridged = attn in ("vllm_cpu", "vllm_flash")  # vLLM's own kernels: loaded eager, then switched to them
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=DTYPES[dtype], attn_implementation="eager" if bridged else attn, local_files_only=True
     )
     if attn == "vllm_cpu":  # vLLM's CPU kernel (forward) with SDPA's gradient; registered here, then switched to
-        from roundalign.bridge import vllm_cpu_attention
+        from roundalign.bridge import vllm_cpu_attention  # noqa: PLC0415 -- lazy: requests AMX (bridge.vllm_cpu)
 
         vllm_cpu_attention.register()
         model.set_attn_implementation("vllm_cpu")
     elif attn == "vllm_flash":  # vLLM's CUDA FlashAttention call (forward) with SDPA's gradient, likewise; registered
-        from roundalign.bridge import vllm_flash  # with transformers as "vllm_fa" (a name with "flash" in it is taken for flash-attn)
-
+        # with transformers as "vllm_fa" (a name with "flash" in it is taken for flash-attn)
         vllm_flash.register()
         model.set_attn_implementation(vllm_flash.HF_ATTN_NAME)
     model.eval()
-    from roundalign.numerics.patch import apply_alignment, recorded_alignment
-
     rec = recorded_alignment(model.config)
     if rec is not None:  # saved from an aligned model: a plain from_pretrained would silently give stock numerics
         print(f"[roundalign] {path}: re-applying the recorded alignment variant={rec[0]} engine={rec[1]} "
@@ -188,8 +184,6 @@ def weights_fingerprint(path_or_id: str) -> str:
     safetensors file, its name, size, header and the first and last 64 KiB of its data. A run records it
     (run.json ``model_fingerprint``) so that rerunning into the same --out after the model at that path was
     rebuilt (a new warm start, say) is refused instead of silently taking the old run as done."""
-    import hashlib
-
     d = Path(resolve_model_path(path_or_id))
     h = hashlib.sha256((d / "config.json").read_bytes())
     for f in sorted(d.glob("*.safetensors")):
@@ -211,9 +205,6 @@ def _check_weight_shapes(d: Path) -> None:
     files = sorted(d.glob("*.safetensors"))
     if not files:
         return
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(d, local_files_only=True)).state_dict().items()}
@@ -230,9 +221,5 @@ def load_tokenizer(path_or_id: str):
     """Load the tokenizer saved next to a model (verbatim ``tokenizer.json`` for tiny models)."""
     path = resolve_model_path(path_or_id)
     if (Path(path) / TINY_META_FILE).is_file():
-        from transformers import PreTrainedTokenizerFast
-
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

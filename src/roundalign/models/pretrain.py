@@ -16,6 +16,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from datasets import Dataset
+from transformers import PrinterCallback, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from roundalign.engine import Engine
+from roundalign.io import atomic_dir
+from roundalign.models.load import load_model, load_tokenizer
+from roundalign.models.tiny import META_FILE
+from roundalign.tasks.arith import arith_reward, make_arith_problems
+from roundalign.tasks.digits import digits_reward, make_digits_problems
+
 SFT_SEED_OFFSET = 10_000  # SFT problems are drawn from seed + offset, GRPO's from seed
 
 
@@ -24,16 +36,6 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
                   digits: dict | None = None, log=print) -> Path:
     """``task`` "arith" (the default) or "digits" (``digits``: op, min_len, max_len, len_step of
     ``tasks.digits.make_digits_problems``)."""
-    import torch
-    from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
-    from roundalign.io import atomic_dir
-    from roundalign.models.load import load_model, load_tokenizer
-    from roundalign.tasks.arith import arith_reward, make_arith_problems
-    from roundalign.models.tiny import META_FILE
-
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / META_FILE).is_file():
         raise FileNotFoundError(f"{model_dir} is not a tiny model directory (no {META_FILE}); build one with "
@@ -47,8 +49,6 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
     model = load_model(str(model_dir), dtype="fp32", attn="eager")
     eos = tokenizer.eos_token
     if task == "digits":
-        from roundalign.tasks.digits import digits_reward, make_digits_problems
-
         digits = dict(digits or {})
         problems = make_digits_problems(steps * batch_size, seed=seed + SFT_SEED_OFFSET, **digits)
     elif task == "arith":
@@ -98,8 +98,6 @@ def pretrain_tiny(model_dir: str | Path, out_dir: str | Path, *, steps: int = 12
 
 
 def _greedy_reward(model, tokenizer, problems, reward, max_new_tokens) -> float:
-    from roundalign.engine import Engine
-
     ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
     samples = Engine(model).generate(ids, max_new_tokens=max_new_tokens, temperature=0.0,
                                      eos_token_id=tokenizer.eos_token_id)

@@ -85,6 +85,10 @@ import uuid
 from pathlib import Path
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig)
 
 ARCHS = ("qwen2", "qwen3", "llama")  # llama: Llama 3.1-style, rope scaling "llama3" (numerics/families.py)
 #: the MoE archs make_tiny also builds (not in ARCHS: the dense-model pipelines and their tests iterate over ARCHS)
@@ -180,15 +184,11 @@ def _corpus(seed: int = 0) -> list[str]:
 
 def build_tokenizer():
     """The byte-level BPE tokenizer (a fresh ``tokenizers.Tokenizer`` of TOKENIZER_SIZE entries)."""
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_str(_trained_tokenizer_json())
 
 
 @functools.lru_cache(maxsize=1)
 def _trained_tokenizer_json() -> str:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -210,8 +210,6 @@ def _trained_tokenizer_json() -> str:
 
 
 def _wrap_tokenizer(tok, model_max_length: int):
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
@@ -261,8 +259,6 @@ def _resolve_sizes(arch, hidden, layers, heads, kv_heads, head_dim, intermediate
 
 def _make_config(arch, sizes, *, hidden, layers, heads, kv_heads, tie, max_position_embeddings, rope_theta, tok,
                  moe=None):
-    from transformers import Qwen2Config, Qwen3Config
-
     common = dict(
         vocab_size=sizes["vocab"],
         hidden_size=hidden,
@@ -287,8 +283,6 @@ def _make_config(arch, sizes, *, hidden, layers, heads, kv_heads, tie, max_posit
         config = Qwen2Config(**common)
         config.architectures = ["Qwen2ForCausalLM"]
     elif arch == "llama":
-        from transformers import LlamaConfig
-
         for key in ("use_sliding_window", "max_window_layers"):  # Qwen's keys
             common.pop(key)
         # Llama 3.1's RoPE scaling ("llama3": frequencies of wavelength above the original context divided by 8; that
@@ -299,8 +293,6 @@ def _make_config(arch, sizes, *, hidden, layers, heads, kv_heads, tie, max_posit
         config = LlamaConfig(head_dim=sizes["head_dim"], attention_bias=False, mlp_bias=False, **common)
         config.architectures = ["LlamaForCausalLM"]
     elif arch == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-
         for key in ("use_sliding_window", "max_window_layers"):  # not Qwen3-MoE's keys
             common.pop(key)
         # every layer sparse (decoder_sparse_step 1, no mlp_only_layers), renormalised top-k as Qwen3-30B-A3B
@@ -454,8 +446,6 @@ def make_tiny(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
 
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     out_dir = Path(out_dir).expanduser().absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
 
@@ -527,9 +517,6 @@ def random_qwen(arch: str, *, dtype=torch.bfloat16, tie=False, seed=0, hidden=64
     weights (lognormal, sigma 0.3), q/k/v biases ~ N(0, 1). With HF's default init (std 0.02, unit norms) bf16
     ``weight * x`` is exact and the rounding differences under study mostly vanish. RoPE's ``inv_freq`` stays
     fp32, as ``from_pretrained(dtype=bf16)`` and vLLM keep it (``model.to(dtype)`` would cast it)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
-
     cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     extra = {} if rope_parameters is None else {"rope_parameters": rope_parameters}  # else the config's default

@@ -7,7 +7,7 @@ from roundalign.numerics.plan import ENGINES, VARIANTS, RoundingPlan, engine_pla
 def __getattr__(name):
     # lazy: ``patch`` imports transformers (seconds); ``plan`` (ENGINES, VARIANTS) is light
     if name in ("SUPPORTED_MODEL_CLASSES", "alignment_of", "apply_alignment"):
-        from roundalign.numerics import patch
+        from roundalign.numerics import patch  # noqa: PLC0415 -- lazy: torch + transformers, off the figures path
 
         return getattr(patch, name)
     raise AttributeError(f"module 'roundalign.numerics' has no attribute {name!r}")

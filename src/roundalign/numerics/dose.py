@@ -1,6 +1,6 @@
 """A rounding dose at the aligned regions: the engine rounds the regions' outputs to fewer mantissa bits than bf16.
 
-What it is for (issue "The paper's consequence, tested", docs/prereg-dose.md): the paper's claim is that where the
+What it is for (docs/prereg-dose.md): the paper's claim is that where the
 two stacks round decides how off-policy an "on-policy" update is. The stock mismatch of a bf16 engine is small
 (token k3 ~1e-4 here), so a test of the consequence needs a mismatch *at the regions the alignment acts on* that can
 be turned up in steps. The dose does that: the engine rounds

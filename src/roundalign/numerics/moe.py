@@ -33,6 +33,7 @@ the block of a bf16 model only (an fp32 model keeps stock numerics, as every reg
 
 from __future__ import annotations
 
+import platform
 import struct
 
 import torch
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from roundalign.numerics.engines import spec
+from roundalign.numerics.plan import cpu_kernel_build
 
 #: how a router hands the top-k weights to the experts (each engine's is its EngineSpec.moe_router)
 ROUTERS = ("bf16", "fp32")
@@ -252,10 +254,6 @@ def engine_isa() -> str:
     tiles; else ``CPUUnquantizedExperts``, ``vec``), where its rounding is measured: an x86 CPU on vLLM's ``_C``
     (AVX-512 BF16) kernel build. Raises ValueError elsewhere (the AVX2/AVX-512 builds convert to bf16 by
     truncation; Arm and Power take other kernels with another ``fast_exp``)."""
-    import platform
-
-    from roundalign.numerics.plan import cpu_kernel_build
-
     if platform.machine().lower() not in ("x86_64", "amd64") or cpu_kernel_build() != "_C":
         raise ValueError("the Qwen3-MoE alignment is measured for vLLM-CPU's x86 AVX-512-BF16 kernels (ISA vec or "
                          f"amx) only; this CPU ({platform.machine()}, vLLM build {cpu_kernel_build()}) takes an "

@@ -69,11 +69,16 @@ The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinne
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import sys
+import warnings
 
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
+from torch._dynamo.comptime import comptime
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from roundalign.numerics import mantissa
 from roundalign.numerics import moe
@@ -103,8 +108,6 @@ def _check_compile_options(ctx) -> None:
     global _warned_compile_options
     if _warned_compile_options:
         return
-    import torch._inductor.config as inductor_config
-
     inductor = torch._TorchCompileInductorWrapper
     # torch.compile's Inductor wrapper sits under Dynamo's debug wrapper (functools.wraps: __wrapped__)
     backend = inspect.unwrap(ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.compiler_fn,
@@ -114,8 +117,6 @@ def _check_compile_options(ctx) -> None:
     if backend.config.get("emulate_precision_casts", inductor_config.emulate_precision_casts):
         return
     _warned_compile_options = True
-    import warnings
-
     warnings.warn(
         "an aligned roundalign model is being compiled by Inductor without emulate_precision_casts: Inductor fuses "
         "the aligned regions and drops the bf16 roundings they keep, so the model no longer rounds where the engine "
@@ -125,8 +126,6 @@ def _check_compile_options(ctx) -> None:
 
 def _while_compiling() -> None:
     if torch.compiler.is_compiling():
-        from torch._dynamo.comptime import comptime
-
         comptime(_check_compile_options)
 
 
@@ -325,8 +324,6 @@ class _AlignedAttention:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         hf_module = sys.modules[_STOCK[type(self)].__module__]
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                     hf_module.eager_attention_forward)
         attn_output, attn_weights = attention_interface(
@@ -385,8 +382,6 @@ _STOCK: dict[type, type] = {}  # aligned subclass -> stock class
 
 
 def _define_aligned_classes() -> None:
-    import importlib
-
     for family in FAMILIES.values():
         mod, prefix = importlib.import_module(family.module), family.prefix
         for suffix, mixin in (("RMSNorm", _AlignedRMSNorm), ("DecoderLayer", _AlignedDecoderLayer),

@@ -105,7 +105,7 @@ def cpu_kernel_build() -> str:
     (``CpuPlatform.import_kernels``, vllm/platforms/cpu.py:612-643): ``_C`` (AVX-512 with BF16, AMX builds),
     ``_C_AVX512`` (AVX-512 without BF16) or ``_C_AVX2``. Reads torch's CPU capability checks only, so it works
     without vLLM installed."""
-    import torch
+    import torch  # noqa: PLC0415 -- lazy: torch, off the torch-free figures path (roundalign.analysis)
 
     if torch.cpu._is_avx512_supported():
         return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"

@@ -22,6 +22,7 @@ two rotated halves are ``x[..., :D/2]`` and ``x[..., D/2:]``); norm weights are 
 from __future__ import annotations
 
 import inspect
+import types
 
 import torch
 import torch.nn.functional as F
@@ -429,8 +430,6 @@ def _one_node(name: str, kernel):
 def region_kernels(mode: str = "eager"):
     """Namespace of the fused region functions in ``mode`` (compiled ones are built once per process), each
     one autograd node that recomputes its fp32 intermediates in backward (see above)."""
-    import types
-
     if mode not in KERNEL_MODES:
         raise ValueError(f"unknown region kernel mode {mode!r}; valid: {', '.join(KERNEL_MODES)}")
     if mode not in _KERNEL_CACHE:

@@ -1,1 +1,1 @@
-"""Tasks: prompt generators and reward functions (``arith`` now; ``math`` with the training runner)."""
+"""Tasks: prompt generators and reward functions (``arith``, ``digits``, ``math``)."""

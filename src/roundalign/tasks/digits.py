@@ -16,6 +16,8 @@ from __future__ import annotations
 import random
 import re
 
+from datasets import Dataset
+
 OPS = ("copy", "reverse", "sort")
 _VERBS = {"copy": "Copy", "reverse": "Reverse", "sort": "Sort"}
 _DIGITS = re.compile(r"\s*(\d*)")
@@ -51,8 +53,6 @@ def make_digits_problems(n: int, seed: int = 0, op: str = "copy", min_len: int =
 
 def digits_dataset(n: int, seed: int = 0, op: str = "copy", min_len: int = 8, max_len: int = 32, len_step: int = 1):
     """A ``datasets.Dataset`` with columns ``prompt`` and ``answer``."""
-    from datasets import Dataset
-
     return Dataset.from_list(make_digits_problems(n, seed, op, min_len, max_len, len_step))
 
 

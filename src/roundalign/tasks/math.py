@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from datasets import load_dataset
+from math_verify import parse, verify
+
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 _PROBLEM_COLUMNS = ("problem", "question", "prompt")
 _SOLUTION_COLUMNS = ("answer", "solution")
@@ -64,8 +67,6 @@ def gold_answer(row: dict) -> str | None:
 def load_math_dataset(name_or_path: str, split: str = "train", limit: int | None = None, log=print):
     """Dataset with columns ``prompt`` (chat messages) and ``answer`` (gold answer string). Rows without a gold
     answer are skipped and counted (one log line), never an error; ``limit`` caps the rows kept."""
-    from datasets import load_dataset
-
     path = Path(name_or_path)
     if path.suffix in (".json", ".jsonl") or path.exists():
         if not path.is_file():
@@ -102,8 +103,6 @@ def load_math_dataset(name_or_path: str, split: str = "train", limit: int | None
 
 def math_reward(completions, answer: list[str], **_) -> list[float]:
     """1.0 when math-verify finds the completion's final answer equal to the gold answer, else 0.0."""
-    from math_verify import parse, verify
-
     out = []
     for completion, gold in zip(completions, answer):
         text = completion if isinstance(completion, str) else completion[-1]["content"]

@@ -84,7 +84,7 @@ def make_deadline_callback(state: RunState, log=print, end_time: float | None = 
     if end is None:
         return None
     floor = float(os.environ.get("ROUNDALIGN_STOP_MARGIN_S", "300")) if min_margin is None else min_margin
-    from roundalign.training.callbacks import DeadlineCallback
+    from roundalign.training.callbacks import DeadlineCallback  # noqa: PLC0415 -- optional: vllm (trl imports it)
 
     log(f"[train] job ends at {_dt.datetime.fromtimestamp(end).isoformat(timespec='seconds')}; the run "
         f"checkpoints and stops when less than max({floor:.0f}s, 2 x longest step + 60s) is left")

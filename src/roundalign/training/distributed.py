@@ -5,6 +5,7 @@ per-rank progress printer."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -81,8 +82,6 @@ def rank_log():
     a printer that prefixes ``[rank<R>]`` and writes each line whole, so interleaved lines say which rank wrote them."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return print
-    import sys
-
     rank = os.environ.get("RANK", "0")
 
     def log(msg) -> None:

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import contextlib
 
+from roundalign.bridge import vllm_cpu
+from roundalign.bridge.vllm_cpu import LIVE_GEMM, STOCK_FALLBACK_GEMM, engine_kernels, repack_gemms
+from roundalign.bridge.vllm_cpu import engine_norm_sum_orders as read_orders
+from roundalign.bridge.vllm_guard import guard_trainer
+from roundalign.bridge.vllm_internals import colocated_llm, inprocess_model
+from roundalign.models.load import vllm_dtype
 from roundalign.numerics import apply_alignment
 from roundalign.numerics.engines import spec
 
@@ -23,12 +29,9 @@ def before_trainer(cfg, log=print):
     says which."""
     if cfg.backend != "vllm":
         return contextlib.nullcontext()
-    from roundalign.models.load import vllm_dtype
-    from roundalign.training.trl_bridge import vllm_llm_overrides
+    from roundalign.training.trl_bridge import vllm_llm_overrides  # noqa: PLC0415 -- optional: vllm (trl imports it)
 
     if spec(cfg.engine).cpu:
-        from roundalign.bridge import vllm_cpu
-
         {"live": vllm_cpu.install_live_gemm_dispatch, "stock": vllm_cpu.uninstall_live_gemm_dispatch,
          "repack": vllm_cpu.install_repack_gemm_dispatch}[cfg.vllm_cpu_gemm]()
         vllm_cpu.small_kv_cache()
@@ -51,9 +54,6 @@ def repack_after_sync(trainer) -> int:
     """Make TRL's colocated weight sync (``trainer.vllm_generation.sync_weights``) prepack the new weights into
     vLLM-CPU's own GEMM kernels once it has loaded them (vllm_cpu_gemm=repack); returns the engine's repacked layer
     count (0: the engine was not built with the repack dispatch, and the run stops)."""
-    from roundalign.bridge.vllm_cpu import repack_gemms
-    from roundalign.bridge.vllm_internals import colocated_llm, inprocess_model
-
     gen = trainer.vllm_generation
     model = inprocess_model(colocated_llm(trainer))
     n = repack_gemms(model) if model is not None else 0
@@ -81,13 +81,8 @@ def after_trainer(trainer, model, cfg, log=print) -> tuple[dict | None, list | N
     to sum their squares in the engine's order (apply_alignment)."""
     if cfg.backend != "vllm":
         return None, None
-    from roundalign.bridge.vllm_guard import guard_trainer
-
     record = guard_trainer(trainer, cfg.engine, cfg.vllm_mode, log=log)
     if spec(cfg.engine).cpu:
-        from roundalign.bridge.vllm_cpu import LIVE_GEMM, STOCK_FALLBACK_GEMM, engine_kernels
-        from roundalign.bridge.vllm_internals import colocated_llm
-
         kernels = engine_kernels(colocated_llm(trainer))  # which GEMM path the engine runs
         record["kernels"] = kernels
         record["gemm_dispatch"] = cfg.vllm_cpu_gemm
@@ -119,7 +114,4 @@ def engine_norm_sum_orders(trainer, cfg, log=print) -> list | None:
         log("[train] server-mode engine: its norms' reduction orders cannot be read from here; the trainer's norms "
             "keep their own (a few tokens may differ, docs/numerics.md)")
         return None
-    from roundalign.bridge.vllm_cpu import engine_norm_sum_orders as read_orders
-    from roundalign.bridge.vllm_internals import colocated_llm
-
     return read_orders(colocated_llm(trainer))

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from roundalign.tasks.arith import arith_dataset
+from roundalign.tasks.digits import make_digits_problems
+
 HELDOUT_SEED = 1_000_000_007
 NUM_RESAMPLES = 2000
 HELDOUT_TASKS = ("digits", "arith")
@@ -29,13 +32,9 @@ HELDOUT_TASKS = ("digits", "arith")
 
 def _draw(cfg, n: int, seed: int) -> list[dict]:
     if cfg.task == "digits":
-        from roundalign.tasks.digits import make_digits_problems
-
         return make_digits_problems(n, seed=seed, op=cfg.digits_op, min_len=cfg.digits_min_len,
                                     max_len=cfg.digits_max_len, len_step=cfg.digits_len_step)
     if cfg.task == "arith":
-        from roundalign.tasks.arith import arith_dataset
-
         return [dict(row) for row in arith_dataset(n, seed=seed, max_operand=cfg.arith_max_operand,
                                                    style=cfg.prompt_style)]
     raise ValueError(f"held-out evaluation covers the tasks {', '.join(HELDOUT_TASKS)}, not {cfg.task!r}")

@@ -9,6 +9,7 @@ name the key, e.g. ``models.qwen3-4b.train.prompts_per_step``, before any job ru
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
@@ -16,6 +17,10 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
+import yaml
+
+from roundalign.engine.choices import ENGINE_ATTN_IMPLS
 from roundalign.training.config import TRAIN_VARIANTS, ConfigError, build_config
 from roundalign.numerics.engines import DEFAULT_ENGINE, names
 
@@ -182,8 +187,6 @@ class Sweep:
         """``roundalign attribute`` flags (all but --model, --engine, --out) of ``model`` against ``engine``: the
         attribution: section's, and the engine and trainer settings of the model's training runs, so that the
         attribution takes apart the mismatch those runs train with (see the schema's description)."""
-        from roundalign.engine.choices import ENGINE_ATTN_IMPLS
-
         a, o = self.attribution, self.train_settings(model)
         if a is None:
             raise ConfigError("attribution: is not enabled")
@@ -364,11 +367,6 @@ def explain_schema_errors(config: dict, schema_file: str | os.PathLike, limit: i
     """None if ``config`` is valid against the sweep schema, else a few lines naming each offending key, where it
     is, what it should be (the schema's own description) and, for a misspelled key, the closest valid keys;
     instead of jsonschema's report, which prints the whole (2,000-line) schema. Used by the Snakefile."""
-    import difflib
-
-    import jsonschema
-    import yaml
-
     schema = yaml.safe_load(Path(schema_file).read_text())
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(config), key=lambda e: list(e.path))
     if not errors:

@@ -198,7 +198,7 @@ def build_grpo_args(cfg: TrainConfig, ckpt_dir: Path, world_size: int = 1, deeps
         # autograd graph for unused ones. transformers' default (None) turns that search on for a model without
         # gradient checkpointing, and the one-process runs against the real engine are DDP-wrapped too (TRL's
         # colocated vLLM starts a world-size-1 process group); results/bench/train_vllm_cpu.txt measures what the
-        # search cost there. A parameter left without a gradient now fails the step loudly in DDP instead.
+        # search cost there. With the search off, a parameter left without a gradient fails the step loudly in DDP.
         ddp_find_unused_parameters=False,
     )
     if cfg.backend == "vllm":

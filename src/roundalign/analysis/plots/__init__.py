@@ -161,7 +161,7 @@ def _run_task(task) -> tuple[tuple[int, str, str], list[Path], float]:
 
 def _shares(pairs, tasks, procs: int) -> list[list[int]]:
     """The sweeps split into ``procs`` shares (each worker then reads only its own sweeps' tables: reading them all
-    in the parent before the fork was a serial ~1.5 s), by estimated cost, the dearest sweep first to the cheapest
+    in the parent before the fork is a serial ~1.5 s), by estimated cost, the dearest sweep first to the cheapest
     share. A sweep's cost: its figures' ``_COST``, scaled by its number of models (panels; run_status.csv, read
     here, so that the workers inherit it), and ~0.02 s per MB of runs.csv to read."""
     cost: dict[int, float] = {}

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 PANEL_SIZE_IN = (3.4, 2.6)  # width, height of one panel, inches
 MIN_WIDTH_IN = 6.5  # room for a two-line title and the legend beside a single panel
 
-# Margins of a ``grid`` figure, inches: fixed rather than found by constrained layout, which measured every
+# Margins of a ``grid`` figure, inches: fixed rather than found by constrained layout, which measures every
 # panel's tick labels twice per figure (two passes) before the two draws of its PNG and PDF, a sixth of
 # `make figures`. They fit what these panels hold: a one-line y label and tick labels of up to six characters
 # left of each panel, a panel title above it, tick labels and an x label below it, a two-line figure title.
@@ -23,7 +23,7 @@ _LAYOUT_ATTR = "_roundalign_layout"  # what lays a figure out at save time (set_
 
 def set_layout(fig: Figure, layout) -> None:
     """Have ``_save.save`` lay ``fig`` out by calling ``layout(fig)`` once, after everything is drawn on it and
-    before its first format is written: fixed margins in place of a layout engine (constrained layout measured
+    before its first format is written: fixed margins in place of a layout engine (constrained layout measures
     every panel's tick labels twice, a sixth of `make figures`)."""
     setattr(fig, _LAYOUT_ATTR, layout)
 

@@ -37,13 +37,13 @@ _SEABORN_WHITEGRID_PAPER = {
     "legend.title_fontsize": 9.600000000000001,
 }
 # seaborn's "colorblind" palette (10 colours), then near-black: TRAIN_VARIANTS has 11 entries, and a wrap-around
-# gave fp32 (the 11th) baseline's blue in the stress figures.
+# would give fp32 (the 11th) baseline's blue in the stress figures.
 COLORBLIND = ["#0173b2", "#de8f05", "#029e73", "#d55e00", "#cc78bc", "#ca9161", "#fbafe4", "#949494", "#ece133",
               "#56b4e9", "#1a1a1a", "#6a3d9a", "#a50f15", "#1b5e20"]
 # One colour per variant. The probe's five (baseline, rope, swiglu, norm, full) keep seaborn's colorblind colours; the
 # stress sweep's nine (baseline, rope, full, tis, mis, fp16, fp32-head, full+fp32-head, fp32) take none of its
-# light pink, tan or yellow, which sat next to full's pink and rope's orange there (two pinks; orange, tan and
-# yellow) and were hard to tell apart: purple, crimson and a dark green instead.
+# light pink, tan or yellow, which would sit next to full's pink and rope's orange there (two pinks; orange, tan
+# and yellow) and are hard to tell apart: they take purple, crimson and a dark green.
 VARIANT_COLORS = {"baseline": "#0173b2", "rope": "#de8f05", "swiglu": "#029e73", "norm": "#d55e00", "full": "#cc78bc",
                   "tis": "#56b4e9", "mis": "#6a3d9a", "fp16": "#949494", "fp32-head": "#a50f15",
                   "full+fp32-head": "#1b5e20", "fp32": "#1a1a1a"}

@@ -102,7 +102,7 @@ def _bars(ax, rows: pd.DataFrame, groups, variants, multi_engine: bool, *, log: 
 def _two_level_axis(ax, groups) -> None:
     """Many (model, engine) groups: the engine (its name without the prefix all engines share) under each group,
     slanted, and each model's name once, centred under its groups, with a thin line between models (gid
-    "model_label" / "model_sep"). Upright "model\nengine" labels for 24 groups were too small to read."""
+    "model_label" / "model_sep"). Upright "model\nengine" labels for 24 groups are too small to read."""
     engines = [_engine_label(e) for _, e in groups]
     prefix = engines[0]
     for e in engines[1:]:
@@ -136,7 +136,7 @@ def _layer_lines(ax, d: pd.DataFrame, variants, pal) -> list[str]:
     """One line per variant over the layers. A variant whose values equal an earlier variant's at every layer
     is drawn dashed on top of it (gid "same:<variant>"), so both colours show, and named in a note (gid
     "same_note"): drawn solid it would hide the earlier line completely (tiny-qwen3-untied, vllm-eager: swiglu
-    and baseline agree to the last bit, and baseline vanished). Returns the "<variant> = <earlier>" notes."""
+    and baseline agree to the last bit, and baseline would vanish). Returns the "<variant> = <earlier>" notes."""
     drawn: dict[str, tuple] = {}
     notes = []
     for variant in variants:
