@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# ruff's rules are in pyproject.toml ([tool.ruff.lint]): bugs, not style
+# ruff's rules are in pyproject.toml ([tool.ruff.lint]): bugs, and imports at the top of the file
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
+import roundalign.probes.probe as probe_mod
 from roundalign.cli import main
 from roundalign.models.tiny import make_tiny
 
@@ -85,7 +86,6 @@ def test_bad_input_fails_before_loading(tiny_models, tmp_path, capsys):
 def test_existing_output_survives_a_failed_run(tiny_models, tmp_path, monkeypatch):
     out = tmp_path / "keep.csv"
     out.write_text("old,complete\n")
-    import roundalign.probes.probe as probe_mod
 
     def boom(*a, **k):
         raise RuntimeError("simulated crash during the variants")

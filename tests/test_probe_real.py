@@ -2,6 +2,7 @@
 signature and output layout, and samples with the emulated engine. With equal kernels `full` must then
 match the "vLLM" samples bitwise, which checks token/logprob extraction, offsets and the trainer plumbing."""
 
+import importlib.util
 import json
 import sys
 import types
@@ -9,8 +10,11 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 
 from roundalign.cli import main
+from roundalign.engine import Engine
+from roundalign.models.load import load_model
 from roundalign.models.tiny import make_tiny
 from test_vllm_guard import fake_llm
 
@@ -18,9 +22,6 @@ CALLS = {}
 
 
 def fake_vllm_module(report_eager=None):
-    from roundalign.engine import Engine
-    from roundalign.models.load import load_model
-
     mod = types.ModuleType("vllm")
 
     class SamplingParams:  # vllm/sampling_params.py field names
@@ -55,18 +56,12 @@ def fake_vllm_module(report_eager=None):
 def pretend_vllm_installed(monkeypatch):
     """A stand-in vLLM of the GPU environment: importable, and beside a CUDA build of torch (the probe refuses a GPU
     map on a CPU-only torch; this dry run still runs the trainer side on the CPU, --device cpu)."""
-    import importlib.util
-
-    import torch
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
 
 
 def test_gpu_map_on_cpu_only_torch_is_refused_naming_the_cpu_targets(model, tmp_path, monkeypatch, capsys):
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
     out = tmp_path / "g.csv"
@@ -112,8 +107,6 @@ def test_gpu_probe_refuses_an_engine_that_rounds_otherwise(model, tmp_path, monk
 
 
 def test_gpu_probe_without_vllm_says_so(model, tmp_path, capsys):
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     assert main(["probe", "--backend", "vllm", "--model", model, "--out", str(tmp_path / "x.csv")]) == 2

@@ -13,8 +13,13 @@ import yaml
 from snakemake.utils import validate
 
 from roundalign import settings as tree
+from roundalign.cli import TRAIN_FLAGS, make_parser
+from roundalign.probes.attribute import AttributeConfig
+from roundalign.probes.probe import ProbeConfig
+from roundalign.settings import settings_of
 from roundalign.training.config import (ConfigError, TrainConfig, build_config, setting_choices, setting_default,
                                         setting_help, show_value)
+from tools.docs_gen import settings as docs_gen
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
@@ -22,15 +27,11 @@ FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 
 @pytest.fixture(scope="module")
 def gen():
-    from tools.docs_gen import settings
-
-    return settings
+    return docs_gen
 
 
 @pytest.fixture(scope="module")
 def train_parser():
-    from roundalign.cli import make_parser
-
     sub = next(a for a in make_parser()._actions if a.dest == "verb")
     return sub.choices["train"]
 
@@ -64,8 +65,6 @@ def test_config_checks_the_choices_of_the_metadata():
 
 
 def test_schema_lists_every_train_key_with_its_help_choices_and_default(gen):
-    import yaml
-
     schema = yaml.safe_load((ROOT / "workflow/schemas/sweep.schema.yaml").read_text())
     for place, props in gen._schema_props(schema).items():
         assert list(props) == [k for k in FIELDS if k not in ("model", "variant", "seed")], place
@@ -103,11 +102,6 @@ def test_docs_table_has_one_row_per_setting_with_its_help():
 def test_probe_and_attribute_flags_are_their_configs_settings_with_the_trees_help(command, cls):
     """Each flag of probe and attribute that sets a config field is generated from the settings tree: the docs row,
     the parser's help and the config field name one setting, whose help they show."""
-    from roundalign.cli import make_parser
-    from roundalign.probes.attribute import AttributeConfig
-    from roundalign.probes.probe import ProbeConfig
-    from roundalign.settings import settings_of
-
     config = {"ProbeConfig": ProbeConfig, "AttributeConfig": AttributeConfig}[cls]
     rows = _docs_tables()[command]
     fields = settings_of(config)
@@ -123,9 +117,6 @@ def test_probe_and_attribute_flags_are_their_configs_settings_with_the_trees_hel
 
 def test_a_setting_a_run_would_not_use_is_refused_naming_it():
     """train, probe and attribute refuse a non-default value of a setting that their other settings leave unused."""
-    from roundalign.probes.attribute import AttributeConfig
-    from roundalign.probes.probe import ProbeConfig
-
     with pytest.raises(ConfigError, match=r"splitk_chunk=16 is not used.*engine_gemm splitk"):
         build_config(overrides={"model": "m", "splitk_chunk": 16})
     with pytest.raises(ConfigError, match=r"digits_op=sort is not used.*task digits"):
@@ -144,8 +135,6 @@ def test_a_setting_a_run_would_not_use_is_refused_naming_it():
 
 
 def test_cli_flags_and_settings_list_show_the_field_help(train_parser):
-    from roundalign.cli import TRAIN_FLAGS
-
     flags = {a.dest: a for a in train_parser._actions if a.dest in FIELDS}
     assert set(flags) == set(TRAIN_FLAGS)
     for key, action in flags.items():
@@ -189,8 +178,6 @@ def test_the_train_configs_kernels_default_to_the_engines_mode_and_a_named_mode_
     """TrainConfig's kernels=auto resolves to ``default_kernels``' choice when the config is built (run.json records
     the mode that ran): the trainer and ``apply_alignment`` pick the same kernels for an engine unless told, and a
     mode named explicitly stays."""
-    from roundalign.training.config import build_config
-
     def kernels(**over):
         return build_config(overrides={"model": "x", **over}).kernels
 

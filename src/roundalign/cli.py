@@ -27,7 +27,7 @@ import textwrap
 from pathlib import Path
 
 from roundalign.numerics.engines import is_cpu
-from roundalign.settings import SettingError, add_argument, add_arguments, from_args
+from roundalign.settings import SettingError, add_argument, add_arguments, from_args, setting
 from roundalign.training.config import (TrainConfig, build_config, parse_set, setting_default, setting_help,
                                         setting_type, show_value)
 
@@ -245,8 +245,9 @@ def run_make_tiny(args) -> None:
     print(f"[make-tiny] wrote {out}")
 
 
-# the share of GPU memory a probe's vLLM may take while it samples (training's colocated engine takes less)
-PROBE_GPU_MEMORY = 0.45
+# the share of GPU memory a probe's vLLM may take while it samples (training's colocated engine takes less): the
+# sweep's probe.gpu_memory_utilization default, from the settings tree
+PROBE_GPU_MEMORY = setting("probe.gpu_memory_utilization").default
 # a probe's vLLM-CPU engine runs vLLM's own GEMM kernels ("stock"), or F.linear on live weights as training does
 PROBE_CPU_GEMMS = ("stock", "live")
 

@@ -406,7 +406,8 @@ _sweep("probe.max_new_tokens", "max_new_tokens")
 _sweep("probe.context_tokens", "context_tokens")
 _sweep("probe.backend", "backend",
        note="A vllm probe of a GPU engine takes one GPU of the model's kind (gpu_model, cpus_per_gpu, mem_mb).")
-# 0.45: roundalign probe's own default (cli.PROBE_GPU_MEMORY), which the probe refuses to change for backend emulated
+# 0.45: also roundalign probe's default (cli.PROBE_GPU_MEMORY reads it here), which the probe refuses to change for
+# backend emulated
 _sweep("probe.gpu_memory_utilization", "vllm_gpu_memory_utilization", 0.45, above=0, below=1,
        note="probe.backend vllm only.")
 _sweep("probe.mem_mb", None, 4000, type=int, at_least=100,

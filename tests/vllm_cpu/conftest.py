@@ -11,10 +11,9 @@ this session's own (``VLLM_CACHE_ROOT``).
 """
 
 import os
+import tempfile
 
 import pytest
-
-import tempfile  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -45,8 +44,8 @@ def pytest_collection_modifyitems(config, items):
 
 # TRL's colocated vLLM sets RANK, LOCAL_RANK and WORLD_SIZE (trl/generation/vllm_generation.py:331-333) and a
 # MASTER_ADDR/MASTER_PORT in this process's environment, and the process group it starts stays up. A later test's
-# child process (Snakemake -> pretrain-tiny) inherited them, took itself for a rank of a distributed run and failed
-# to listen on the port ("EADDRINUSE"; seen in make test). Each test gets the environment back as it found it.
+# child process (Snakemake -> pretrain-tiny) would inherit them, take itself for a rank of a distributed run and fail
+# to listen on the port ("EADDRINUSE", as seen in make test). Each test gets the environment back as it found it.
 _DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

@@ -67,19 +67,19 @@ which kernels they reach (below).
     with top-p) every row goes through the per-row kernel (the split pipeline skips rows with an active top-k), so
     rows do not depend on the batch. Settings concerned: CUDA, top_p < 1 with top_k = 0. tools/gpu_check.py
     part (g) measures it.
-  - The temperature: vLLM divides by a CUDA fp32 tensor (a true division); ``_engine_sampler_logprobs`` divides by a
-    Python float, which PyTorch on CUDA computes as ``x * (1 / T)`` (ATen native/cuda/BinaryDivTrueKernel.cu: a CPU
-    scalar divisor becomes a reciprocal multiply, "may lose one bit of precision"), while on the CPU the same
-    expression is a true division (which is why the CPU runs agree bitwise). At T = 1 (or any power of two) the two
-    agree; at T = 0.7 they differ by one ulp on part of the logits (test_a_reciprocal_multiply_...), so on a GPU
-    the ``sampling`` step could not reach bitwise equality at such a T. A bug of the GPU path, fixed (attribute.py,
-    ``_engine_sampler_logprobs``): divide by the fp32 temperature as a tensor on the logits' device, shaped as
-    vLLM's: ``x = x / torch.full((x.shape[0], 1), cfg.temperature, dtype=torch.float32, device=x.device)``.
+  - The temperature: vLLM divides by a CUDA fp32 tensor (a true division). A division by a Python float PyTorch on
+    CUDA computes as ``x * (1 / T)`` (ATen native/cuda/BinaryDivTrueKernel.cu: a CPU scalar divisor becomes a
+    reciprocal multiply, "may lose one bit of precision"), while on the CPU the same expression is a true division
+    (so CPU runs agree bitwise either way). At T = 1 (or any power of two) the two agree; at T = 0.7 they differ by
+    one ulp on part of the logits (test_a_reciprocal_multiply_...), so on a GPU a float divisor keeps the
+    ``sampling`` step from bitwise equality at such a T. ``_engine_sampler_logprobs`` (attribute.py) therefore
+    divides by the fp32 temperature as a tensor on the logits' device, shaped as vLLM's:
+    ``x = x / torch.full((x.shape[0], 1), cfg.temperature, dtype=torch.float32, device=x.device)``.
   - top_k >= vocab: vLLM's input batch treats it as off (``0 < top_k < vocab_size``, gpu_input_batch.py:409-414;
-    no request with an active top-k gives ``top_k=None``), the trainer passes ``k`` anyway: on the CPU
-    ``apply_top_k_only`` then asks ``topk`` for more values than the row has and fails; on CUDA it takes the top-k
-    kernel path where vLLM takes the top-p-only one. The fix: ``k = ... if 0 < cfg.top_k < x.shape[-1] else None``
-    (test_top_k_at_or_above_the_vocabulary_is_off_as_in_vllm). Both fixes are in attribute.py.
+    no request with an active top-k gives ``top_k=None``). A trainer that passed ``k`` anyway would fail on the CPU
+    (``apply_top_k_only`` asks ``topk`` for more values than the row has) and on CUDA take the top-k kernel path
+    where vLLM takes the top-p-only one; attribute.py passes ``k = ... if 0 < cfg.top_k < x.shape[-1] else None``
+    (test_top_k_at_or_above_the_vocabulary_is_off_as_in_vllm).
   - The log-softmax: PyTorch's CUDA kernel reduces each row on its own with a block size chosen from the row
     length, so rows do not depend on the batch; both sides run it on the same device.
 """
@@ -96,6 +96,11 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
+# TRL binds vLLM's names when its vllm_generation module is first imported (``from vllm import LLM, ...`` at module
+# level): imported here, before the cuda_vllm fixture patches them, so that it keeps the real ones. A first import
+# under the patch would bind the stand-in for the rest of the session, and TRL's colocated engine in a later test
+# would be ours.
+import trl.generation.vllm_generation  # noqa: E402, F401
 from vllm.config.compilation import CompilationMode, CUDAGraphMode  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -106,8 +111,14 @@ from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
 from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
+from roundalign import gpuinfo  # noqa: E402
 from roundalign.bridge import vllm_guard  # noqa: E402
-from roundalign.probes import attribute as A  # noqa: E402
+from roundalign.models.load import load_model  # noqa: E402
+from roundalign.models.tiny import make_tiny  # noqa: E402
+from roundalign.numerics.engines import spec  # noqa: E402
+from roundalign.probes import attribute as A, real_engine  # noqa: E402
+from roundalign.probes.real_engine import preflight  # noqa: E402
+from tools import gpu_check  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -202,8 +213,6 @@ class StandInLLM:
 
     def __init__(self, model, **kwargs):
         check_llm_kwargs(model, kwargs)
-        from roundalign.models.load import load_model
-
         self.kwargs = {"model": model, **kwargs}
         self.generate_calls: list[dict] = []
         self.shutdowns = 0
@@ -328,19 +337,13 @@ def recording_sampling_params(calls: list[dict]):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from roundalign.models.tiny import make_tiny
-
     return str(make_tiny("qwen3", tmp_path_factory.mktemp("gpu_dryrun") / "m", hidden=32, layers=2, tie=False))
 
 
 @pytest.fixture
 def cuda_vllm(monkeypatch):
-    """vllm.LLM and vllm.SamplingParams replaced (recorded), a CUDA torch as far as preflight asks."""
-    # TRL binds vLLM's names when its vllm_generation module is first imported (``from vllm import LLM, ...`` at
-    # module level): imported here, before the patch, so that it keeps the real ones. A first import under the
-    # patch bound the stand-in for the rest of the session, and TRL's colocated engine in a later test was ours.
-    import trl.generation.vllm_generation  # noqa: F401
-
+    """vllm.LLM and vllm.SamplingParams replaced (recorded), a CUDA torch as far as preflight asks (TRL's
+    vllm_generation, imported at the top of this module, keeps the real ones)."""
     sp_calls: list[dict] = []
     StandInLLM.made.clear()
     monkeypatch.setattr(vllm, "LLM", StandInLLM)
@@ -463,8 +466,6 @@ def test_the_keyword_check_is_not_vacuous(model_dir):
 
 
 def test_a_gpu_map_puts_the_trainer_on_cuda_by_default(model_dir, tmp_path, monkeypatch):
-    from roundalign.probes import real_engine
-
     seen = {}
 
     def stop(engine, device, log=print):
@@ -479,10 +480,6 @@ def test_a_gpu_map_puts_the_trainer_on_cuda_by_default(model_dir, tmp_path, monk
 
 
 def test_preflight_of_a_gpu_map_asks_for_cuda_torch_and_a_usable_gpu(model_dir, monkeypatch):
-    from roundalign import gpuinfo
-    from roundalign.numerics.engines import spec
-    from roundalign.probes.real_engine import preflight
-
     record = spec("vllm-eager")
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(RuntimeError, match="vllm-cpu-compiled or vllm-cpu-eager"):
@@ -529,9 +526,9 @@ def test_the_trainers_sampler_formula_is_vllms_sampler_bitwise(mode, dtype):
 
 
 def test_top_k_at_or_above_the_vocabulary_is_off_as_in_vllm():
-    # SamplingParams accepts any top_k >= -1; vLLM's input batch runs top_k >= vocab as "no top-k". The trainer
-    # passed it to apply_top_k_top_p, whose CPU path asks topk() for more values than a row has (on CUDA it takes
-    # the top-k kernel where vLLM takes the top-p-only one); attribute.py now passes k only for 0 < top_k < vocab.
+    # SamplingParams accepts any top_k >= -1; vLLM's input batch runs top_k >= vocab as "no top-k". Passed to
+    # apply_top_k_top_p, such a k makes its CPU path ask topk() for more values than a row has (on CUDA it takes the
+    # top-k kernel where vLLM takes the top-p-only one); attribute.py passes k only for 0 < top_k < vocab.
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(8, 512, generator=g).to(torch.bfloat16)
     sp = REAL_SAMPLING_PARAMS(temperature=0.7, top_k=1000, top_p=0.9, seed=1, logprobs=0)
@@ -554,7 +551,7 @@ def test_a_reciprocal_multiply_by_the_temperature_is_not_vllms_division():
     recip = x * (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(T, dtype=torch.float32))
     assert not torch.equal(recip, vllm_div)
     assert (recip != vllm_div).float().mean() > 0.01
-    # the fix's form (a tensor divisor on the logits' device) is vLLM's division bit for bit
+    # attribute.py's form (a tensor divisor on the logits' device) is vLLM's division bit for bit
     assert torch.equal(x / torch.full((64, 1), T, dtype=torch.float32), vllm_div)
     # at a power of two the reciprocal is exact and the two agree
     assert torch.equal(x * 0.5, x.clone().div_(torch.full((64, 1), 2.0)))
@@ -564,8 +561,6 @@ def test_gpu_checks_scoring_part_runs_against_vllms_sampler_on_the_cpu():
     # tools/gpu_check.py part (g)'s scoring check (the training path of scoring=engine against vLLM's LM head in
     # decode batches and its Sampler), on the CPU: the code a lent GPU will run, with the CPU build's sampler
     # (forward_cpu: the same processed-logprobs formula). On this CPU every token is bitwise and every head row too.
-    from tools import gpu_check
-
     rows = gpu_check.check_scoring(torch.device("cpu"), seed=0, vocab=4096, hidden_size=256)
     assert [r["temperature"] for r in rows] == [1.0, 0.7]
     for r in rows:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from roundalign.bridge.vllm_internals import cpu_gemm_utils
 from roundalign.models.tiny import make_tiny
 from roundalign.probes import attribute as A
 
@@ -95,8 +96,6 @@ def test_the_gemm_equalization_runs_vllms_own_kernel(monkeypatch):
     where oneDNN can build a bf16 matmul, else its own fallback, ``torch.nn.functional.linear``: an AVX2 CPU without
     AVX-512, where ``create_onednn_mm`` raises), not F.linear in disguise: the op is seen running, and its output is
     that op's on a freshly packed weight."""
-    from roundalign.bridge.vllm_internals import cpu_gemm_utils
-
     U = cpu_gemm_utils()
     ops, N, K = U.ops, 128, 1024
     if U.current_platform.is_zen_cpu() and hasattr(torch.ops, "zentorch"):

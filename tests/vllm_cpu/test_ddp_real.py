@@ -17,9 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from snakemake.utils import validate
 
 from roundalign.models.pretrain import pretrain_tiny
 from roundalign.models.tiny import make_tiny
+from roundalign.training.sweep import Sweep
+from roundalign.verify.sync_check import compare_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -47,11 +52,6 @@ def _free_port() -> int:
 def _launcher() -> list[str]:
     """The sweep's own launcher for a CPU model with ``processes: 2`` (roundalign.training.sweep.Sweep.launcher), as the train
     rule runs it."""
-    import yaml
-    from snakemake.utils import validate
-
-    from roundalign.training.sweep import Sweep
-
     cfg = yaml.safe_load((ROOT / "configs/vllm-cpu.yaml").read_text())
     cfg["python"] = sys.executable
     cfg["models"]["cpu-qwen3-untied"].update(processes=WORLD, accelerate_config="configs/accelerate/cpu.yaml")
@@ -76,10 +76,6 @@ def _sets(**extra) -> list[str]:
 
 
 def test_two_ranks_each_keep_their_colocated_engine_synced_and_log_the_same_metrics(sft_model, tmp_path):
-    import torch
-
-    from roundalign.verify.sync_check import compare_ranks
-
     out = tmp_path / "ddp"
     proc = _launch(["roundalign.verify.sync_check", "--out", str(out),
                     *_sets(model=sft_model, steps=3, learning_rate=2e-2, checkpoint_every=100)], out)

@@ -21,10 +21,15 @@ import pytest
 import torch
 
 from roundalign.bridge import vllm_cpu
+from roundalign.bridge.vllm_cpu import LIVE_GEMM
+from roundalign.bridge.vllm_internals import cpu_gemm_utils
+from roundalign.cli import main
+from roundalign.envinfo import cpu_kernels
 from roundalign.training.config import build_config
 from roundalign.models.pretrain import pretrain_tiny
 from roundalign.models.tiny import make_tiny
 from roundalign.training.train import TIMING_KEYS
+from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_sync_probe
 
 QUIET = dict(log=lambda *_: None)
 # 2 prompts x 4 completions a step; head_dim 32 (vLLM-CPU's attention has no 16)
@@ -52,8 +57,6 @@ def _stock_dispatch_prepacks() -> bool:
     """Whether vLLM-CPU's own GEMM dispatch prepacks a bf16 weight on this CPU, decided as its
     dispatch_cpu_unquantized_gemm decides (utils.py of 0.31.0): SGL's packed GEMM where check_cpu_sgl_kernel allows
     it, else oneDNN where create_onednn_mm builds a matmul, else its torch.nn.functional.linear fallback."""
-    from roundalign.bridge.vllm_internals import cpu_gemm_utils
-
     U = cpu_gemm_utils()
     if U.current_platform.is_zen_cpu() and hasattr(torch.ops, "zentorch"):
         return True
@@ -76,8 +79,6 @@ def test_trl_sync_leaves_the_colocated_engine_equal_to_a_fresh_one(sft_model, tm
     step 1, naming the kernels; where it falls back to F.linear on the weight in place (AVX2), the sync reaches it.
     With repack, vLLM's own kernels (prepacked oneDNN on AVX-512, SGL on AMX) are prepacked again after each sync,
     and the engine equals a fresh stock engine (built with vLLM's unwrapped dispatch) at every step."""
-    from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_sync_probe
-
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (7, 23, 40)]
     # a learning rate that moves every step's weights well past bf16's resolution
@@ -172,8 +173,6 @@ def test_cli_run_then_sigterm_then_a_kill_mid_save_and_resume_equals_the_uninter
 
 
 def test_preflight_refuses_what_the_cpu_engine_cannot_run_before_loading(tmp_path, capsys):
-    from roundalign.cli import main
-
     small = make_tiny("qwen2", tmp_path / "hd16", hidden=64, heads=4, layers=1, seed=0)  # head_dim 16
     out = tmp_path / "run"
     assert main(["train", "--model", str(small), "--backend", "vllm", "--engine", "vllm-cpu-eager", "--out",
@@ -200,7 +199,7 @@ def test_grpo_with_the_engines_attention_is_on_policy_against_the_real_engine(sf
     sets = {**FAST, "steps": 4, "learning_rate": 2e-3, "attn": "vllm_cpu", "heldout_prompts": 8, "heldout_samples": 2}
     for variant, scoring in (("full", "engine"), ("baseline", "trl")):
         # a process per run, as a sweep runs them: a second run in a process whose first trained against the other
-        # engine mode was off policy (full at a token k3 of 2e-6..1.6e-4; AMD EPYC, AVX2; an open gap, docs/testing.md)
+        # engine mode is off policy (full at a token k3 of 2e-6..1.6e-4; AMD EPYC, AVX2; an open gap, docs/testing.md)
         cmd = [sys.executable, "-m", "roundalign", "train", "--model", sft_model, "--variant", variant, "--backend",
                "vllm", "--engine", engine, "--out", str(tmp_path / variant),
                *sum((["--set", f"{k}={v}"] for k, v in {**sets, "scoring": scoring}.items()), [])]
@@ -242,9 +241,6 @@ def test_grpo_is_on_policy_against_vllms_own_gemm_kernels(sft_model, tmp_path, e
     (full, the engine's attention and scoring) still gets every sampled token's logprob bitwise at every step.
     Where vLLM picks SGL's AMX GEMM the trainer's F.linear sums in another order (test_real_engine.py), so there the
     exactness is not expected and the test says so."""
-    from roundalign.bridge.vllm_cpu import LIVE_GEMM
-    from roundalign.envinfo import cpu_kernels
-
     if "amx_bf16" in cpu_kernels()["isa"]:
         pytest.skip("on AMX vLLM-CPU's own GEMM is SGL's, which the trainer's F.linear does not reproduce bitwise")
     sets = {**FAST, "steps": 4, "learning_rate": 2e-3, "attn": "vllm_cpu", "scoring": "engine",

@@ -1,16 +1,17 @@
 """The vLLM 0.31.0 classes still have every field the guard reads (run where vLLM is installed: its CPU build)."""
 
+import inspect
+
 from roundalign.bridge import vllm_guard as G
 
 
 def test_real_vllm_classes_have_the_fields_the_guard_reads():
-    from vllm.config import CompilationConfig, KernelConfig, ParallelConfig, VllmConfig
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode, PassConfig
-    from vllm.config.kernel import IrOpPriorityConfig
-    from vllm.config.model import ModelConfig
-    import inspect
-
-    from vllm.entrypoints.llm import LLM
+    from vllm.config import CompilationConfig, KernelConfig, ParallelConfig, VllmConfig  # noqa: PLC0415 -- optional: vllm
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode, PassConfig  # noqa: PLC0415 -- optional: vllm
+    from vllm.config.device import DeviceConfig  # noqa: PLC0415 -- optional: vllm
+    from vllm.config.kernel import IrOpPriorityConfig  # noqa: PLC0415 -- optional: vllm
+    from vllm.config.model import ModelConfig  # noqa: PLC0415 -- optional: vllm
+    from vllm.entrypoints.llm import LLM  # noqa: PLC0415 -- optional: vllm
 
     def fields(cls):
         return set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "model_fields", {}))
@@ -24,8 +25,6 @@ def test_real_vllm_classes_have_the_fields_the_guard_reads():
     assert {"enforce_eager", "dtype"} <= fields(ModelConfig)
     assert CompilationMode.VLLM_COMPILE == G.VLLM_COMPILE and CompilationMode.NONE == G.COMPILE_NONE
     assert CompilationMode.DYNAMO_TRACE_ONCE == G.DYNAMO_TRACE_ONCE
-    from vllm.config.device import DeviceConfig
-
     assert "device_type" in fields(DeviceConfig) and "splitting_ops" in fields(CompilationConfig)
     assert CUDAGraphMode.NONE.name == "NONE"
     assert "self.llm_engine" in inspect.getsource(LLM.__init__)

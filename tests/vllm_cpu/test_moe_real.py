@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from roundalign.bridge import vllm_cpu
+from roundalign.models.tiny import make_tiny
 from roundalign.numerics import moe
 
 torch.set_num_threads(1)
@@ -26,7 +27,7 @@ AMX = bool(torch.cpu._is_amx_tile_supported())
 
 
 def _kernel(x, w13, w2, weights, ids, isa):
-    import vllm._custom_ops as ops
+    import vllm._custom_ops as ops  # noqa: PLC0415 -- optional: vllm
 
     vllm_cpu.request_amx()
     out = torch.empty_like(x)
@@ -40,7 +41,7 @@ def _bf16(shape, gen, scale=1.0):
 
 
 def test_this_cpu_takes_the_isa_vllm_picks():
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import X86CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import X86CPUUnquantizedExperts  # noqa: PLC0415 -- optional: vllm
 
     assert X86CPUUnquantizedExperts._supports_current_device() == AMX
     assert moe.engine_isa() == ("amx" if AMX else "vec")
@@ -93,8 +94,6 @@ def test_the_isas_sum_in_different_orders_and_each_emulation_has_its_own():
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
-    from roundalign.models.tiny import make_tiny
-
     return make_tiny("qwen3_moe", tmp_path_factory.mktemp("m") / "tiny-qwen3-moe", hidden=128, layers=2, heads=4,
                      kv_heads=2, tie=False, seed=7, experts=8, top_k=2, moe_intermediate=64)
 

@@ -12,6 +12,7 @@ CPU attention kernel refuses 16, our default tiny size), lognormal norm weights;
 """
 
 import gc
+import glob
 import math
 import os
 import re
@@ -21,13 +22,12 @@ import pytest
 import torch
 
 from roundalign import apply_alignment
-
-from roundalign.bridge import vllm_cpu, vllm_cpu_attention
-
-from roundalign.bridge import vllm_guard, vllm_internals
+from roundalign.bridge import vllm_cpu, vllm_cpu_attention, vllm_guard, vllm_internals
+from roundalign.bridge.inductor_code import MUTATED_ARGS, engine_store_dtypes, find_output_code
+from roundalign.engine import EngineModel
 from roundalign.envinfo import cpu_kernels
-from roundalign.numerics.plan import CPU_ENGINES, cpu_kernel_build
 from roundalign.models.tiny import random_qwen
+from roundalign.numerics.plan import CPU_ENGINES, cpu_kernel_build
 
 torch.set_num_threads(1)
 
@@ -45,9 +45,9 @@ LENGTHS = (3, 17, 40, 77, 130, 200)
 # The engine's one graph sums each RMSNorm's x^2 inside a fused kernel (with the residual adds and the embedding
 # gather) whose vector tiling Inductor picks from what the kernel fuses: on AVX-512, 2 x 16 lanes where it loads and
 # stores bf16 only, 16 lanes where it also stores the fp32 residual. A trainer norm compiled alone picks its own, so
-# which tokens it missed depended on the CPU and the model (qwen2-untied-L2-d64: 432/461 on an AMD EPYC with
+# which tokens it misses depends on the CPU and the model (qwen2-untied-L2-d64: 432/461 on an AMD EPYC with
 # AVX-512; qwen3-tied-L4-d32: 392/461 on an Intel Xeon with AMX; the HARD sequence below on AVX2). The trainer
-# now reads each norm's order from the engine's own output code (vllm_cpu.engine_norm_sum_orders) and reduces
+# therefore reads each norm's order from the engine's own output code (vllm_cpu.engine_norm_sum_orders) and reduces
 # that way (regions.sum_sq_in_order); compiled-mode cases pass those orders.
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 VOCAB = 256
@@ -84,7 +84,7 @@ class _Engines:
     def get(self, name, mode):
         key = (name, mode)
         if key not in self.results:
-            from vllm import LLM, SamplingParams
+            from vllm import LLM, SamplingParams  # noqa: PLC0415 -- optional: vllm
 
             d = os.path.join(self.root, name)
             if not os.path.isdir(d):
@@ -147,16 +147,14 @@ def _hard_sequence():
 
 
 def test_compiled_engine_residual_mismatch_is_inductors_norm_reduction(engines, tmp_path):
-    """Isolation of what was left against the compiled engine, and its removal. The emulated one-graph engine
+    """Isolation of what remains against the compiled engine, and its removal. The emulated one-graph engine
     (engine/compiled.py: vLLM's formulas as one Inductor graph, vLLM's CPU attention ops) with Inductor's own
     RMSNorm reduction equals the real engine on every token; the same emulation with the trainer's reduction
     equals the trainer on every token. So the difference is the order in which Inductor sums x^2 in each fused
     norm kernel of the whole graph (its code uses 1 or 2 vectors of 16 or 8 lanes depending on the kernel:
     roundalign.bridge.inductor_code), not where rounding happens; and the trainer with the orders read from the engine's
     code equals the real engine on every token."""
-    from vllm import LLM, SamplingParams
-
-    from roundalign.engine import EngineModel
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 -- optional: vllm
 
     arch, tie, layers, hidden, seed = HARD
     model = random_qwen(arch, tie=tie, layers=layers, hidden=hidden, heads=4, kv_heads=2, vocab=VOCAB, seed=seed)
@@ -217,7 +215,7 @@ def test_on_amx_the_stock_gemm_is_sgls_and_changes_the_eager_tokens(tmp_path):
     trainer (F.linear) misses tokens in eager mode where K = 256, while the same engine with F.linear GEMMs is
     bitwise (test_full_is_bitwise_equal_to_the_real_engine_with_its_attention_kernel): the GEMM kernel is the
     whole difference. The trainer does not call SGL's kernel (a GEMM source for the attribution work)."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 -- optional: vllm
 
     # SGL's kernel uses AMX tiles without asking the kernel for them (arch_prctl ARCH_REQ_XCOMP_PERM): as the first
     # AMX user of a process it dies of SIGILL (seen in a script that built the engine first). A bf16 oneDNN GEMM asks.
@@ -243,8 +241,6 @@ def test_what_full_misses_against_the_compiled_engine_is_inductors_norm_reductio
     """On every sequence of the model whose compiled-engine case is CPU-dependent (see AVX512), the emulated
     one-graph engine (engine/compiled.py) with Inductor's own RMSNorm reduction equals the real compiled engine on
     every token: where ``full`` misses a token there, the cause is the reduction order, not a rounding location."""
-    from roundalign.engine import EngineModel
-
     name = "qwen2-untied-L2-d64"
     eng = engines.get(name, "compiled")["logps"]
     model = _model(name)
@@ -382,9 +378,7 @@ def _schema_in_shipped_builds(qualified: str) -> tuple[str, "torch.FunctionSchem
     """The schema that one of vLLM's shipped x86 builds (``_C``: AVX-512 BF16, ``_C_AVX512``, ``_C_AVX2``; the
     platform loads one, by ISA) registers for ``qualified`` (``ns::name``), read from the registration string in
     the binary. The test must check every op of ``MUTATED_ARGS`` on every CPU, also those the loaded build lacks."""
-    import glob
-
-    import vllm
+    import vllm  # noqa: PLC0415 -- optional: vllm
 
     ns, name = qualified.split("::")
     pat = re.compile(rb"(?<=\x00)" + re.escape(name).encode() + rb"\([^\x00]*\) -> [^\x00]*")
@@ -405,10 +399,9 @@ def test_the_parser_knows_which_engine_ops_write_an_argument():
     Which ``_C`` ops exist depends on the build the platform loads for this CPU (``weight_packed_linear`` only in
     ``_C``, the AVX-512 BF16 build): an op the loaded build registers is checked against its live schema, one it
     lacks against the registration string of the shipped build that has it, so both are checked on every CPU."""
-    import vllm._custom_ops  # noqa: F401  (registers the _C ops)
-    from vllm.model_executor.layers.attention import attention  # noqa: F401  (registers vllm::unified_attention*)
-
-    from roundalign.bridge.inductor_code import MUTATED_ARGS
+    # these register the _C ops and vllm::unified_attention*
+    import vllm._custom_ops  # noqa: F401, PLC0415 -- optional: vllm
+    from vllm.model_executor.layers.attention import attention  # noqa: F401, PLC0415 -- optional: vllm
 
     live = 0
     for fn, positions in MUTATED_ARGS.items():
@@ -431,8 +424,6 @@ def test_compiled_map_is_the_real_engines_inductor_output_code(engines):
     residual stream is never stored rounded), no fused kernel rounds to bf16 and back inside itself (the norm's
     weight multiply and the residual copy stay fp32), and what is stored in bf16 feeds only GEMMs, attention and
     its KV-cache write, and the LM head."""
-    from roundalign.bridge.inductor_code import engine_store_dtypes, find_output_code
-
     # Only these stock engines' own compile caches: the session's cache root also holds the graphs of every other
     # engine the suite compiled (an engine built with other settings, e.g. vLLM's C++ rotary_embedding op inside the
     # compiled graph, copies q and k out to bf16 buffers for it, which is not the stock compiled map), and vLLM points

@@ -4,8 +4,11 @@ rotary module ``apply_alignment`` installs) and the emulated engine's (``vllm_na
 it bitwise at every position both cover. The stock transformers table is measured beside them: for linear scaling
 at a factor that is not a power of two it is not vLLM's, which is why the aligned module exists."""
 
+import importlib
+
 import pytest
 import torch
+import transformers
 
 from roundalign.numerics import vllm_native
 from roundalign.numerics.families import FAMILIES
@@ -32,24 +35,20 @@ CASES = [(f, r) for f in FAMILIES for r in ROPES if ROPES[r]["rope_type"] in FAM
 
 @pytest.fixture(scope="module")
 def vllm_config():
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import VllmConfig, set_current_vllm_config  # noqa: PLC0415 -- optional: vllm
 
     with set_current_vllm_config(VllmConfig()):
         yield
 
 
 def _vllm_table(rope):
-    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: PLC0415 -- optional: vllm
 
     return get_rope(HEAD_DIM, max_position=MAX_POS, is_neox_style=True, rope_parameters=dict(rope),
                     dtype=torch.bfloat16).cos_sin_cache
 
 
 def _hf_rotary(family, rope):
-    import importlib
-
-    import transformers
-
     fam = FAMILIES[family]
     config = getattr(transformers, fam.prefix + "Config")(
         hidden_size=128, num_attention_heads=4, head_dim=HEAD_DIM, max_position_embeddings=MAX_POS,

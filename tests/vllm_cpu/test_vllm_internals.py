@@ -1,6 +1,8 @@
 """Every private vLLM path roundalign reaches (roundalign.bridge.vllm_internals) resolves on a real built engine of the
 pinned vLLM 0.31.0 (its CPU build), and the module is the only place in the package that spells them."""
 
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "roundalign"
 
 @pytest.mark.parametrize("eager", [False, True])
 def test_every_path_resolves_on_a_built_engine(tmp_path, eager):
-    from vllm import LLM
+    from vllm import LLM  # noqa: PLC0415 -- optional: vllm
 
     random_qwen("qwen2", hidden=128, heads=4, kv_heads=2, layers=1, vocab=256).save_pretrained(tmp_path / "m")
     llm = LLM(model=str(tmp_path / "m"), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager, seed=0,
@@ -46,9 +48,6 @@ def test_every_path_resolves_on_a_built_engine(tmp_path, eager):
 def test_no_other_module_spells_a_private_vllm_path():
     """Attribute accesses in code (tokens, not strings or comments) of vLLM's private objects, outside
     vllm_internals: a second spelling of a path would drift on its own when vLLM moves it."""
-    import io
-    import tokenize
-
     private = {"llm_engine", "driver_worker", "model_runner", "engine_core", "local_cache_dir"}
     offenders = []
     for f in sorted(SRC.rglob("*.py")):

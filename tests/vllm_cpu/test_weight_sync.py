@@ -21,14 +21,14 @@ def _save_bf16(policy, path):
 
 
 def _engine(path, mode):
-    from vllm import LLM
+    from vllm import LLM  # noqa: PLC0415 -- optional: vllm
 
     return LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=mode == "eager", seed=0,
                max_model_len=256, max_num_seqs=4)
 
 
 def _logps(llm, seqs):
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # noqa: PLC0415 -- optional: vllm
 
     out = []
     for s in seqs:

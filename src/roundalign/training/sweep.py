@@ -23,6 +23,7 @@ import yaml
 from roundalign.engine.choices import ENGINE_ATTN_IMPLS
 from roundalign.training.config import TRAIN_VARIANTS, ConfigError, build_config
 from roundalign.numerics.engines import DEFAULT_ENGINE, names
+from roundalign.settings import sweep_settings
 
 
 @functools.cache
@@ -177,7 +178,8 @@ class Sweep:
         if not a.get("enabled"):
             return None
         probe = self.config.get("probe") or {}
-        return {"prompts": 16, "max_new_tokens": None, "resamples": 1000, "seed": 0, "extra_args": "", **a,
+        defaults = {s.key.partition(".")[2]: s.default for s in sweep_settings("attribution")}
+        return {**defaults, **a,
                 "backend": a.get("backend") or probe.get("backend", "emulated"),
                 "engines": list(a.get("engines") or probe.get("engines") or [DEFAULT_ENGINE]),
                 "context_tokens": a.get("context_tokens") if a.get("context_tokens") is not None
