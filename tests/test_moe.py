@@ -19,6 +19,7 @@ from roundalign import apply_alignment
 from roundalign.engine import Engine
 from roundalign.models.tiny import make_tiny
 from roundalign.numerics import moe
+from roundalign.numerics.dose import apply_dose, dose_of, remove_dose
 
 torch.set_num_threads(1)
 
@@ -282,6 +283,18 @@ def test_variants_own_the_block_and_other_engines_are_refused():
 
     with pytest.raises(ValueError, match="'vllm-eager' has no MoE map"):
         Engine(model, engine="vllm-eager", attn="eager")
+
+
+def test_a_dose_on_the_moe_block_is_refused_by_name():
+    """The dose rounds the SwiGLU output at each down_proj; an MoE block's experts have none (the engine refuses the
+    dose there too), so a dose on swiglu/full refuses the model rather than leave its experts undosed."""
+    model = _tiny_moe()
+    apply_alignment(model, "full", "vllm-cpu-eager", moe_isa="vec")
+    with pytest.raises(ValueError, match="not defined for an MoE model's expert kernel"):
+        apply_dose(model, 3, "full")
+    apply_alignment(model, "norm", "vllm-cpu-eager")
+    assert dose_of(apply_dose(model, 3, "norm")) == 3  # the norms have no expert kernel to miss
+    remove_dose(model)
 
 
 def test_fp32_model_is_a_bitwise_no_op_and_baseline_is_stock():

@@ -28,28 +28,12 @@ from __future__ import annotations
 from torch import nn
 
 from roundalign.numerics.mantissa import (BITS_ATTR, DOSE_ENGINES, HANDLES_ATTR, NO_DOSE, ROPE_DOSE_ATTR,  # noqa: F401
-                                          check_dose_bits, clear_dose, round_mantissa, round_mantissa_st)
-from roundalign.numerics.patch import _STOCK, alignment_of, decoder_trunk, norm_modules
+                                          check_dose_bits, clear_dose, install_dose, round_mantissa, round_mantissa_st)
+from roundalign.numerics.patch import _STOCK, alignment_of, region_sites
 
 #: the regions each alignment variant rounds as the engine does (and so receives the engine's dose in)
 DOSE_REGIONS = {"baseline": (), "rope": ("rope",), "swiglu": ("swiglu",), "norm": ("norm",),
                 "full": ("norm", "rope", "swiglu")}
-
-
-def _round_output(bits):
-    def hook(module, args, output):
-        if isinstance(output, tuple):  # an aligned norm with a residual returns (normed, residual)
-            return (round_mantissa_st(output[0], bits), *output[1:])
-        return round_mantissa_st(output, bits)
-
-    return hook
-
-
-def _round_input(bits):
-    def hook(module, args):
-        return (round_mantissa_st(args[0], bits), *args[1:])
-
-    return hook
 
 
 def remove_dose(model: nn.Module) -> None:
@@ -63,34 +47,22 @@ def apply_dose(model: nn.Module, bits: int, variant: str) -> nn.Module:
     Call it after ``apply_alignment(model, variant, engine)`` with an engine of ``DOSE_ENGINES``: the RoPE dose sits
     in the aligned attention (``rope``/``full``). Replaces an earlier dose; ``bits = 7`` (no dose) removes it. In
     place; returns ``model``."""
-    check_dose_bits(bits)
     if variant not in DOSE_REGIONS:
         raise ValueError(f"unknown alignment variant {variant!r} for a dose; valid: {', '.join(DOSE_REGIONS)}")
-    remove_dose(model)
-    if bits == NO_DOSE or not DOSE_REGIONS[variant]:
-        return model
+    regions = DOSE_REGIONS[variant]
     aligned, engine, _ = alignment_of(model)
-    if aligned != variant:
+    sites = region_sites(model) if regions else {}
+    dosed = bool(regions) and bits != NO_DOSE
+    if dosed and aligned != variant:
         raise ValueError(f"apply_dose(variant={variant!r}) on a model aligned as {aligned!r}: apply_alignment(model, "
                          f"{variant!r}, engine) first, so that the regions round as the engine's before its dose")
-    check_dose_bits(bits, engine)
-    trunk = decoder_trunk(model)
-    regions = DOSE_REGIONS[variant]
-    handles = []
-    if "norm" in regions:
-        handles += [m.register_forward_hook(_round_output(bits)) for m in norm_modules(model)]
-    if "swiglu" in regions:
-        handles += [layer.mlp.down_proj.register_forward_pre_hook(_round_input(bits)) for layer in trunk.layers]
-    if "rope" in regions:
-        for layer in trunk.layers:
-            attn = layer.self_attn
-            if type(attn) not in _STOCK:  # the RoPE dose lives in the aligned attention
-                raise RuntimeError(f"{type(attn).__name__} is not roundalign's aligned attention: a RoPE dose needs "
-                                   "apply_alignment's fused RoPE")
-            setattr(attn, ROPE_DOSE_ATTR, bits)
-    setattr(model, HANDLES_ATTR, handles)
-    setattr(model, BITS_ATTR, bits)
-    return model
+    if dosed and "swiglu" in regions and len(sites["swiglu"]) < len(sites["rope"]):
+        raise ValueError("the rounding dose is not defined for an MoE model's expert kernel")
+    for attn in sites.get("rope", []) if dosed and "rope" in regions else []:
+        if type(attn) not in _STOCK:  # the RoPE dose lives in the aligned attention
+            raise RuntimeError(f"{type(attn).__name__} is not roundalign's aligned attention: a RoPE dose needs "
+                               "apply_alignment's fused RoPE")
+    return install_dose(model, bits, engine if dosed else None, {r: sites[r] for r in regions})
 
 
 def dose_of(model: nn.Module) -> int:

@@ -1,6 +1,6 @@
 """The rounding of a dose (``numerics.dose``): a value rounded to fewer mantissa bits, with a straight-through
-gradient, and where a dose is kept on a model. Imported by ``patch`` (the aligned attention's RoPE reads it) and by
-``dose``, which installs it; it imports neither."""
+gradient, and the hooks that put it on a model's modules. Imported by ``patch`` (the aligned attention's RoPE reads
+it) and by ``dose``, which picks the modules; it imports neither."""
 
 from __future__ import annotations
 
@@ -77,3 +77,37 @@ def clear_dose(model: nn.Module) -> None:
         h.remove()
     for m in model.modules():
         m.__dict__.pop(ROPE_DOSE_ATTR, None)
+
+
+def _round_output(bits):
+    def hook(module, args, output):
+        if isinstance(output, tuple):  # an aligned norm with a residual returns (normed, residual)
+            return (round_mantissa_st(output[0], bits), *output[1:])
+        return round_mantissa_st(output, bits)
+
+    return hook
+
+
+def _round_input(bits):
+    def hook(module, args):
+        return (round_mantissa_st(args[0], bits), *args[1:])
+
+    return hook
+
+
+def install_dose(model: nn.Module, bits: int, engine: str | None, sites: dict[str, list[nn.Module]]) -> nn.Module:
+    """Put a dose of ``bits`` on ``model``, replacing an earlier one (``bits = 7``, or no sites: none is left): each
+    module of ``sites["norm"]`` rounds its output, each of ``sites["swiglu"]`` its input (a ``down_proj``: the SwiGLU
+    output), each attention of ``sites["rope"]`` its RoPE'd q/k (read by ``patch._qk_norm_rope``). ``engine`` must
+    carry a dose (None: not asked, for a dose with no sites). In place; returns ``model``."""
+    check_dose_bits(bits, engine)
+    clear_dose(model)
+    if bits == NO_DOSE or not any(sites.values()):
+        return model
+    handles = [m.register_forward_hook(_round_output(bits)) for m in sites.get("norm", ())]
+    handles += [m.register_forward_pre_hook(_round_input(bits)) for m in sites.get("swiglu", ())]
+    for attn in sites.get("rope", ()):
+        setattr(attn, ROPE_DOSE_ATTR, bits)
+    setattr(model, HANDLES_ATTR, handles)
+    setattr(model, BITS_ATTR, bits)
+    return model

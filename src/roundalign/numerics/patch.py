@@ -434,16 +434,26 @@ def default_kernels(engine: str, dtype: torch.dtype = torch.bfloat16) -> str:
     return default_kernel_mode(check_engine(engine), fp32=dtype == torch.float32)
 
 
-def norm_modules(model: nn.Module) -> list[nn.Module]:
-    """The RMSNorms of a Qwen2/Qwen3 trunk in the order its forward runs them: per layer the input norm, (Qwen3)
-    the q and k norms, the post-attention norm; then the final norm."""
+def region_sites(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """Where each region's rounding sits in a Qwen2/Qwen3 trunk: ``norm``, its RMSNorms in the order its forward runs
+    them (per layer the input norm, (Qwen3) the q and k norms, the post-attention norm; then the final norm);
+    ``swiglu``, each dense layer's ``down_proj`` (its input is the SwiGLU output); ``rope``, each layer's attention."""
     trunk = decoder_trunk(model)
-    out = []
+    sites: dict[str, list[nn.Module]] = {"norm": [], "swiglu": [], "rope": []}
     for layer in trunk.layers:
         attn = layer.self_attn
-        out += [layer.input_layernorm, *([attn.q_norm, attn.k_norm] if _is_qwen3(attn) else []),
-                layer.post_attention_layernorm]
-    return [*out, trunk.norm]
+        sites["norm"] += [layer.input_layernorm, *([attn.q_norm, attn.k_norm] if _is_qwen3(attn) else []),
+                          layer.post_attention_layernorm]
+        if hasattr(layer.mlp, "down_proj"):  # a dense MLP (an MoE block's experts have none)
+            sites["swiglu"].append(layer.mlp.down_proj)
+        sites["rope"].append(attn)
+    sites["norm"].append(trunk.norm)
+    return sites
+
+
+def norm_modules(model: nn.Module) -> list[nn.Module]:
+    """The RMSNorms of a Qwen2/Qwen3 trunk in the order its forward runs them (``region_sites``)."""
+    return region_sites(model)["norm"]
 
 
 def _set_sum_orders(model: nn.Module, variant: str, engine: str, orders) -> list | None:
