@@ -483,17 +483,17 @@ def test_preflight_of_a_gpu_map_asks_for_cuda_torch_and_a_usable_gpu(model_dir, 
     record = spec("vllm-eager")
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(RuntimeError, match="vllm-cpu-compiled or vllm-cpu-eager"):
-        preflight("vllm-eager", "cuda", log=lambda *_: None)
+        preflight(record, "cuda", log=lambda *_: None)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     report = {"torch": torch.__version__, "torch_cuda": "12.8", "driver": "570.1", "gpus": ["NVIDIA H200"],
               "cuda_available": True, "problem": None}
     monkeypatch.setattr(gpuinfo, "cuda_report", lambda: report)
     logs = []
-    assert preflight("vllm-eager", "cuda", log=logs.append) == (record, "cuda") and "NVIDIA H200" in logs[0]
+    assert preflight(record, "cuda", log=logs.append) == "cuda" and "NVIDIA H200" in logs[0]
     monkeypatch.setattr(gpuinfo, "cuda_report", lambda: {**report, "problem": "torch sees no CUDA GPU"})
     with pytest.raises(RuntimeError, match="usable CUDA GPU: torch sees no CUDA GPU"):
-        preflight("vllm-eager", "cuda", log=lambda *_: None)
-    assert preflight("vllm-eager", "cpu", log=lambda *_: None) == (record, "cpu")  # the trainer may be put on the CPU (these tests)
+        preflight(record, "cuda", log=lambda *_: None)
+    assert preflight(record, "cpu", log=lambda *_: None) == "cpu"  # the trainer may be put on the CPU (these tests)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -187,26 +187,3 @@ class Engine:
                                 for layer in range(len(self.model.layers))]
             samples.append(Sample(prompts[b], tokens[b], torch.stack(logps[b]).cpu(), layer_states))
         return samples
-
-
-def sample_with_logprobs(llm, prompts: list[list[int]], *, temperature: float, max_new_tokens: int, seed: int,
-                         top_p: float = 1.0, top_k: int = 0) -> list[Sample]:
-    """One completion per prompt from a built ``vllm.LLM``, each with the logprob vLLM reports for every sampled
-    token (in the LLM's ``logprobs_mode``); prompt i samples with seed ``seed * 1_000_003 + i``."""
-    import vllm  # noqa: PLC0415 -- optional: vllm (the real engine; the emulated one needs none)
-
-    params = [vllm.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
-                                  seed=seed * 1_000_003 + i, max_tokens=max_new_tokens, logprobs=0)
-              for i in range(len(prompts))]
-    outputs = llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling_params=params,
-                           use_tqdm=False)
-    samples = []
-    for ids, out in zip(prompts, outputs, strict=True):
-        comp = out.outputs[0]
-        tokens = list(comp.token_ids)
-        if comp.logprobs is None or len(comp.logprobs) < len(tokens):
-            raise RuntimeError("vLLM returned no logprob for some sampled token (SamplingParams(logprobs=0) "
-                               "asks for the sampled token's); check the vLLM version (0.31.0 expected)")
-        logps = torch.tensor([comp.logprobs[i][t].logprob for i, t in enumerate(tokens)], dtype=torch.float32)
-        samples.append(Sample(list(ids), tokens, logps, None))
-    return samples

@@ -427,7 +427,7 @@ def run_attribute(cfg: AttributeConfig, out_dir: str | Path, log=print, device: 
 
     device = device or ("cuda" if cfg.backend == "vllm" and not is_cpu(cfg.engine) else "cpu")
     if cfg.backend == "vllm":  # the real engine can run here (vLLM's CPU build, or CUDA vLLM and a GPU)
-        _, device = real_engine.preflight(cfg.engine, device, log=log)
+        device = real_engine.preflight(spec(cfg.engine), device, log=log)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     prompts = _prompts(tokenizer, ProbeConfig(model=cfg.model, num_prompts=cfg.num_prompts, seed=cfg.seed,

@@ -36,6 +36,7 @@ from roundalign.engine import Engine
 from roundalign.envinfo import environment_info
 from roundalign.io import atomic_write_csv, atomic_write_json, check_writable
 from roundalign.models.load import load_model, load_tokenizer, resolve_model_path
+from roundalign.numerics.engines import spec
 from roundalign.probes import real_engine
 from roundalign.probes.probe import ProbeConfig, _prompts, compare_variants, emulated_vs_real_layers, model_label
 
@@ -58,16 +59,17 @@ def run_probe_real(cfg: ProbeConfig, out_csv: str | Path, *, device: str = "cuda
     With vLLM's CPU build also ``<stem>_teacher_forced.csv`` (trainer vs the engine's prompt logprobs of the same
     tokens) and, in eager mode, ``<stem>_engine_layers.csv`` (the emulated engine vs the real one, per layer).
 
-    The settings go down once: checked and the engine resolved here, then the model's files, the real engine,
-    the emulated engine, the trainer's comparisons and the files written, in that order."""
+    The settings go down in one order: checked here, then the model's files and the prompts, the real engine
+    (its preflight, then its samples), the emulated engine, the trainer's comparisons and the files written."""
     _check(cfg, gpu_memory_utilization)
-    record, device = real_engine.preflight(cfg.engine, device, log)
+    record = spec(cfg.engine)
     resolve_model_path(cfg.model)
     out_csv = check_writable(out_csv)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     label = model_label(cfg.model)
     prompts = _prompts(tokenizer, cfg)
+    device = real_engine.preflight(record, device, log)  # before the engine or the model loads
     # teacher-forced scores of the same tokens on the CPU build, at T = 1 (vLLM's prompt logprobs are of the raw
     # logits); on a GPU that path has not been exercised yet (tools/gpu_check.py)
     real, forced, settings = real_engine.sample(

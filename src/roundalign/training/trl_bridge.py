@@ -50,7 +50,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
 
 from roundalign.bridge.vllm_internals import colocated_llm
-from roundalign.engine.generate import sample_with_logprobs
+from roundalign.engine.vllm_calls import sample_with_logprobs
 from roundalign.numerics.sampler import engine_logprobs
 from roundalign.training import distributed as D
 from roundalign import metrics as M
@@ -112,7 +112,7 @@ class ColocatedEngine:
     ``trainer.vllm_generation.sync_weights()`` when ``global_step`` moved since TRL last loaded them
     (``trainer._last_loaded_step``), recording the load so that TRL does not repeat it. ``generate`` samples with
     vLLM's own sampler, one request per prompt, prompt i seeded by ``seed * 1_000_003 + i``
-    (``engine.generate.sample_with_logprobs``); the engine stops at the end-of-text token itself."""
+    (``engine.vllm_calls.sample_with_logprobs``); the engine stops at the end-of-text token itself."""
 
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
