@@ -63,6 +63,8 @@ RECHECK: list[tuple[str, list[str]]] = [
     (_P + "x__while_compiling__mutmut_*", [_WARNS]),
     # per-norm reduction orders (vllm-cpu-compiled) and the alignment a saved model carries: compiled/save-load tests
     (_P + "x_norm_modules__mutmut_*", ["tests/test_patch.py", "tests/test_compiled_engine.py"]),
+    (_P + "x_region_sites__mutmut_*", ["tests/test_patch.py", "tests/test_compiled_engine.py", "tests/test_dose.py",
+                                       "tests/test_moe.py"]),
     (_P + "x__set_sum_orders__mutmut_*", [
         "tests/test_patch.py::test_norm_sum_orders_take_variant_norm_and_a_wrong_count_names_the_norms_the_"
         "model_runs", "tests/test_patch.py", "tests/test_compiled_engine.py"]),
