@@ -22,6 +22,7 @@ from roundalign.training.config import (ConfigError, TrainConfig, build_config, 
 from tools.docs_gen import settings as docs_gen
 
 ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "workflow/schemas/sweep.schema.yaml"
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 
 
@@ -150,19 +151,23 @@ def test_cli_flags_and_settings_list_show_the_field_help(train_parser):
         assert f" {key} ({head}) {setting_help(key)}" in epilog, key
 
 
-def test_check_names_the_key_whose_schema_description_was_edited(gen, tmp_path):
-    text = (ROOT / "workflow/schemas/sweep.schema.yaml").read_text()
-    block = text.index("# BEGIN train settings (with defaults)")
-    old = "description: Peak learning rate (constant after warm-up)."
-    at = text.index(old, block)
-    edited = text[:at] + "description: Peak learning rate." + text[at + len(old):]
+@pytest.mark.parametrize("block, old, new, key", [
+    ("# BEGIN train settings (with defaults)", "description: Peak learning rate (constant after warm-up).",
+     "description: Peak learning rate.", "train.learning_rate"),
+    ("# BEGIN attribution settings", "description: Bootstrap resamples over prompts.", "description: Resamples.",
+     "attribution.resamples"),
+], ids=["train", "sweep"])
+def test_check_names_the_key_whose_schema_description_was_edited(gen, tmp_path, block, old, new, key):
+    text = SCHEMA.read_text()
+    at = text.index(old, text.index(block))
+    edited = text[:at] + new + text[at + len(old):]
     schema = tmp_path / "sweep.schema.yaml"
     schema.write_text(edited)
     problems = gen.check(schema, ROOT / "docs/settings.md")
-    assert len(problems) == 1 and "train.learning_rate: description differs" in problems[0], problems
+    assert len(problems) == 1 and f"{key}: description differs" in problems[0], problems
     res = subprocess.run([sys.executable, "-m", "tools.docs_gen.settings", "--check", "--schema", str(schema)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 1 and "train.learning_rate: description" in res.stderr, res.stderr
+    assert res.returncode == 1 and f"{key}: description" in res.stderr, res.stderr
     # rewriting puts the field help back, and touches nothing outside the marked blocks
     assert gen.render_schema(edited) == text
 
@@ -190,7 +195,6 @@ def test_the_train_configs_kernels_default_to_the_engines_mode_and_a_named_mode_
     assert kernels(engine="vllm-eager", kernels="compiled") == "compiled"
 
 
-SCHEMA = ROOT / "workflow/schemas/sweep.schema.yaml"
 PARTS = ("probe", "attribution")
 
 
@@ -282,22 +286,6 @@ def test_check_names_the_sweep_key_whose_default_or_bounds_changed(gen, monkeypa
     problems = gen.check(SCHEMA, ROOT / "docs/settings.md")
     assert any("probe.prompts: default differs" in p for p in problems), problems
     assert any("probe.mem_mb: minimum differs" in p for p in problems), problems
-
-
-def test_check_names_the_sweep_key_whose_schema_entry_was_edited(gen, tmp_path):
-    text = SCHEMA.read_text()
-    block = text.index("# BEGIN attribution settings")
-    old = "description: Bootstrap resamples over prompts."
-    at = text.index(old, block)
-    edited = text[:at] + "description: Resamples." + text[at + len(old):]
-    schema = tmp_path / "sweep.schema.yaml"
-    schema.write_text(edited)
-    problems = gen.check(schema, ROOT / "docs/settings.md")
-    assert len(problems) == 1 and "attribution.resamples: description differs" in problems[0], problems
-    res = subprocess.run([sys.executable, "-m", "tools.docs_gen.settings", "--check", "--schema", str(schema)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 1 and "attribution.resamples: description" in res.stderr, res.stderr
-    assert gen.render_schema(edited) == text
 
 
 @pytest.mark.parametrize("part", PARTS)
