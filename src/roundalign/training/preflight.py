@@ -33,7 +33,7 @@ def preflight(cfg: TrainConfig, out_dir: Path) -> None:
         _preflight_vllm_cpu(cfg)
     elif cfg.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[gpu]' (or the conda environment.yml) "
+            raise RuntimeError("backend 'vllm' needs vLLM: pip install -e '.[harness,gpu]' (or the conda environment.yml) "
                                "on a GPU machine; on CPU use --backend emulated")
         rep = gpuinfo.cuda_report()  # torch's CUDA build, driver, GPUs; names a too-old driver
         print(f"[preflight] {gpuinfo.format_report(rep)}", flush=True)
