@@ -28,7 +28,7 @@ export OMP_NUM_THREADS ?= 1
 # Snakemake's shell rules run `python -m roundalign` from PATH
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install vllm-env library-env library-check lint test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
+.PHONY: install vllm-env library-env library-check verl-env lint test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -82,6 +82,17 @@ $(LIB_STAMP): pyproject.toml $(shell find src -name '*.py')
 
 library-env: $(LIB_STAMP)
 
+# verl 0.9.1's actor worker on CPU (tests/verl_cpu, docs/verl.md): its own environment, every package pinned in the
+# script (verl declares transformers < 5.11 and its extras pin torch 2.11 and vLLM 0.24; none of those is installed)
+VERL_VENV  ?= .venv-verl
+VERL_BIN   := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.roundalign-installed
+
+$(VERL_STAMP): pyproject.toml tools/envs/verl_env.sh
+	PY=$(PY) tools/envs/verl_env.sh $(VERL_VENV)
+
+verl-env: $(VERL_STAMP)
+
 library-check: $(LIB_STAMP)
 	ROUNDALIGN_LIBRARY_ENV=1 $(LIB_BIN)/python -m pytest -q -p no:cacheprovider --durations=5 $(LIB_TESTS)
 
@@ -95,7 +106,7 @@ TEST_PARALLEL ?= 1
 TEST_SECOND_STREAM ?= tests/test_slurm.py tests/test_hf_model_tests.py
 # Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
 # yet; stop it afterwards only if this run started it, keeping pytest's exit status.
-test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP) $(VERL_STAMP)
 	@started=0; \
 	if [ "$$(id -u)" = 0 ] && { command -v slurmctld >/dev/null || command -v apt-get >/dev/null; } \
 	        && ! $(SLURM_LOCAL) status >/dev/null 2>&1; then \
@@ -109,20 +120,23 @@ test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP)
 	    vlog=$$(mktemp /tmp/roundalign-vllm-tests.XXXXXX); \
 	    echo "make test: tests/vllm_cpu runs in $(VLLM_VENV) alongside the main suite, then $(TEST_SECOND_STREAM) (TEST_PARALLEL=0: all one after the other); that stream's output follows the main suite's ($$vlog)"; \
 	    { src=0; $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || src=$$?; \
+	      echo "==================== tests/verl_cpu ($(VERL_VENV)) ===================="; \
+	      $(VERL_BIN)/python -m pytest -q --durations=5 tests/verl_cpu || src=$$((src ? src : $$?)); \
 	      echo "==================== $(TEST_SECOND_STREAM) ($(VENV)) ===================="; \
 	      $(BIN)/python -m pytest -q --durations=10 $(TEST_SECOND_STREAM) || src=$$((src ? src : $$?)); \
 	      exit $$src; } >$$vlog 2>&1 & vpid=$$!; \
 	    trap 'kill $$vpid 2>/dev/null' INT TERM; \
-	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu \
+	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu --ignore=tests/verl_cpu \
 	        $(addprefix --ignore=,$(TEST_SECOND_STREAM)) || rc=$$?; \
 	    echo "==================== make library-check ($(LIB_VENV)) ===================="; \
 	    $(MAKE) --no-print-directory library-check || rc=$$((rc ? rc : $$?)); \
 	    wait $$vpid || vrc=$$?; \
 	    echo "==================== tests/vllm_cpu ($(VLLM_VENV)) ===================="; cat $$vlog; rm -f $$vlog; \
 	else \
-	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu || rc=$$?; \
+	    $(BIN)/python -m pytest -q --durations=30 --ignore=tests/vllm_cpu --ignore=tests/verl_cpu || rc=$$?; \
 	    $(MAKE) --no-print-directory library-check || rc=$$((rc ? rc : $$?)); \
 	    $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || vrc=$$?; \
+	    $(VERL_BIN)/python -m pytest -q --durations=5 tests/verl_cpu || vrc=$$((vrc ? vrc : $$?)); \
 	fi; \
 	rc=$$((rc ? rc : vrc)); \
 	if [ $$started = 1 ]; then \

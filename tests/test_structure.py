@@ -29,6 +29,7 @@ FLOORS = {
     "models": 4, "settings": 4,
     "training": 5,
     "probes": 6, "analysis": 6, "verify": 6,  # a probe scores as training does (trl_bridge)
+    "integrations": 6,  # the user-facing TRL and verl entry points sit on the runner's TRL bridge
     "cli": 7,
     "__main__": 8,
 }
