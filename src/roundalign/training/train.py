@@ -454,8 +454,10 @@ def _build_trainer(cfg: TrainConfig, ckpt_dir: Path, files: RunFiles, state, cal
     if getattr(trainer, "ref_model", None) is not None:
         # beta > 0: TRL loads a reference copy; it must round like the policy, or the policy-vs-reference
         # KL would measure the alignment itself (4e-4 nats at step 1 on a tiny model before this line)
-        apply_alignment(trainer.ref_model, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
-        apply_dose(trainer.ref_model, cfg.engine_dose_bits, cfg.alignment)
+        # (under torch_compile TRL holds it compiled: the module to align is the one inside)
+        ref = trainer.accelerator.unwrap_model(trainer.ref_model, keep_torch_compile=False)
+        apply_alignment(ref, cfg.alignment, cfg.engine, kernels=cfg.kernels, norm_sum_orders=orders)
+        apply_dose(ref, cfg.engine_dose_bits, cfg.alignment)
     trainer.log_mismatch = cfg.mismatch_metrics
     if cfg.use_is_correction:
         trainer.mismatch_is = (cfg.is_mode, cfg.is_cap, args.vllm_importance_sampling_clip_min)

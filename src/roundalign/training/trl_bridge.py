@@ -30,6 +30,10 @@
 5. ``vllm_llm_overrides``: TRL's colocated ``vllm.LLM(...)`` call has no ``enforce_eager`` or ``dtype``
    argument; for ``--engine vllm-eager`` and the fp16 variant we wrap the ``LLM`` name TRL's module uses.
 
+8. ``install_on_instance``: 2 and 3 on a built ``GRPOTrainer`` of any class, as instance attributes that shadow
+   TRL's methods (``roundalign.integrations.trl``, for a user's own trainer class); ``keep_precision_casts`` is
+   ``RoundalignGRPOTrainer.__init__``'s ``torch_compile`` option, for either.
+
 ``tests/test_trl_bridge.py`` fails loudly when any of these internals changes.
 """
 
@@ -43,6 +47,7 @@ import types
 
 import torch
 import trl
+from accelerate.utils import is_compiled_module
 from accelerate.utils import is_peft_model  # the check GRPOTrainer makes before adding its head
 from trl import GRPOTrainer
 from trl.generation import vllm_generation
@@ -159,15 +164,7 @@ class RoundalignGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        plugin = self.accelerator.state.dynamo_plugin
-        if self.args.torch_compile and plugin is not None:
-            # TrainingArguments(torch_compile=True): accelerate compiles the policy in prepare() with these
-            # options (accelerate 1.15 Accelerator.prepare_model -> torch.compile(model, **plugin.to_kwargs())).
-            # Inductor by default elides the bf16 downcast-upcast pair between fused ops, the explicit roundings
-            # of the aligned regions included; emulate_precision_casts keeps every rounding of the eager graph, so
-            # the compiled policy is bitwise the eager one (tests/test_torch_compile.py). Per compiled model, not
-            # Inductor's global config: a colocated vLLM engine in this process compiles with its own settings.
-            plugin.options = {**(plugin.options or {}), "emulate_precision_casts": True}
+        keep_precision_casts(self)
 
     def _generate_and_score_completions(self, inputs):
         if self.args.use_vllm and self.args.vllm_mode == "colocate":
@@ -188,19 +185,8 @@ class RoundalignGRPOTrainer(GRPOTrainer):
             self._log_mismatch(output)
         return output
 
-    @torch.no_grad()
     def _log_mismatch(self, output: dict) -> None:
-        mode = "train" if self.model.training else "eval"
-        prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            train_logp, entropy, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, completion_ids.size(1),
-                batch_size=self.args.per_device_train_batch_size, compute_entropy=True)
-        for key, value in step_mismatch_metrics(train_logp, output["sampling_per_token_logps"],
-                                                output["completion_mask"], entropy, self.mismatch_is).items():
-            self._metrics[mode][key].append(value)
+        log_mismatch(self, output, self.mismatch_is)
 
     # -- positions ------------------------------------------------------------------------------------
 
@@ -209,12 +195,8 @@ class RoundalignGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
         if not self._position_fix:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
-        module = self.accelerator.unwrap_model(model)
-        handle = module.register_forward_pre_hook(_positions_from_mask, with_kwargs=True)
-        try:
+        with positions_from_mask(self, model):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
-        finally:
-            handle.remove()
 
     # -- fp32 master weights --------------------------------------------------------------------------
 
@@ -315,6 +297,88 @@ def _positions_from_mask(module, args, kwargs):
         return None
     kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
     return args, kwargs
+
+
+@contextlib.contextmanager
+def positions_from_mask(trainer: GRPOTrainer, model):
+    """While TRL scores a batch with ``model`` (the policy or the reference, possibly wrapped by accelerate), its
+    forward gets ``position_ids`` from the attention mask (``_positions_from_mask``)."""
+    handle = trainer.accelerator.unwrap_model(model).register_forward_pre_hook(_positions_from_mask, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def log_mismatch(trainer: GRPOTrainer, output: dict, mismatch_is: tuple | None = None) -> None:
+    """Score the generation batch ``output`` (TRL's ``_generate_and_score_completions`` result, which holds the
+    engine's ``sampling_per_token_logps``) with the trainer's current policy through TRL's own
+    ``_get_per_token_logps_and_entropies`` and append ``step_mismatch_metrics`` to ``trainer._metrics`` (TRL
+    averages them over the logging window and hands them to ``report_to``)."""
+    mode = "train" if trainer.model.training else "eval"
+    prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        train_logp, entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, completion_ids.size(1),
+            batch_size=trainer.args.per_device_train_batch_size, compute_entropy=True)
+    for key, value in step_mismatch_metrics(train_logp, output["sampling_per_token_logps"],
+                                            output["completion_mask"], entropy, mismatch_is).items():
+        trainer._metrics[mode][key].append(value)
+
+
+def keep_precision_casts(trainer: GRPOTrainer) -> bool:
+    """With ``torch_compile=True``, make accelerate compile the policy and the reference model with Inductor's
+    ``emulate_precision_casts``; returns whether it did (False: the trainer does not compile).
+
+    TrainingArguments(torch_compile=True): accelerate compiles a model in prepare() with the dynamo plugin's
+    options (accelerate 1.15 Accelerator.prepare_model -> torch.compile(model, **plugin.to_kwargs())). Inductor by
+    default elides the bf16 downcast-upcast pair between fused ops, the explicit roundings of the aligned regions
+    included; emulate_precision_casts keeps every rounding of the eager graph, so the compiled policy is bitwise the
+    eager one (tests/test_torch_compile.py). Per compiled model, not Inductor's global config: a colocated vLLM
+    engine in this process compiles with its own settings. Call it after the trainer is built, before training: the
+    policy is compiled when training starts; GRPOTrainer.__init__ has compiled the reference model (beta > 0)
+    already, with the plugin's options of that time, so it is compiled again, as accelerate did, with these (a
+    compiled module compiles on its first call: nothing has run through it yet)."""
+    plugin = trainer.accelerator.state.dynamo_plugin
+    if not trainer.args.torch_compile or plugin is None:
+        return False
+    plugin.options = {**(plugin.options or {}), "emulate_precision_casts": True}
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None and plugin.use_regional_compilation:
+        raise RuntimeError("torch_compile with accelerate's regional compilation: the reference model's regions were "
+                           "compiled without emulate_precision_casts; turn regional compilation off")
+    if ref is not None and is_compiled_module(ref):
+        trainer.ref_model = torch.compile(ref._orig_mod, **plugin.to_kwargs())
+    return True
+
+
+def install_on_instance(trainer: GRPOTrainer, mismatch_is: tuple | None = None) -> None:
+    """What ``RoundalignGRPOTrainer`` adds to TRL's scoring, installed on a built ``GRPOTrainer`` instance (any
+    subclass): ``_get_per_token_logps_and_entropies`` scores with ``positions_from_mask``, and each generation batch
+    that carries the engine's logprobs gets ``log_mismatch`` (``mismatch_is`` as ``RoundalignGRPOTrainer``'s).
+    Instance attributes shadow the class's methods, which TRL calls as ``self.<name>(...)``; a second call raises."""
+    if getattr(trainer, "_roundalign_installed", False):
+        raise RuntimeError("roundalign's scoring hooks are installed on this trainer already")
+    score, generate = trainer._get_per_token_logps_and_entropies, trainer._generate_and_score_completions
+
+    @functools.wraps(score)
+    def _get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs):
+        with positions_from_mask(trainer, model):
+            return score(model, input_ids, attention_mask, *args, **kwargs)
+
+    @functools.wraps(generate)
+    def _generate_and_score_completions(inputs):
+        output = generate(inputs)
+        if "sampling_per_token_logps" in output:
+            log_mismatch(trainer, output, mismatch_is)
+        return output
+
+    trainer._get_per_token_logps_and_entropies = _get_per_token_logps_and_entropies
+    trainer._generate_and_score_completions = _generate_and_score_completions
+    trainer._roundalign_installed = True
 
 
 def step_mismatch_metrics(train_logp, engine_logp, completion_mask, entropy, mismatch_is=None) -> dict[str, float]:
@@ -440,4 +504,6 @@ def use_engine_scoring(trainer: GRPOTrainer) -> None:
     model = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
     add_engine_scored_lm_head(model, trainer.temperature, entropy=True)
     if getattr(trainer, "ref_model", None) is not None:
-        add_engine_scored_lm_head(trainer.ref_model, trainer.temperature, entropy=False)
+        # the module TRL gave its head: under torch_compile the reference is a compiled wrapper around it
+        ref = trainer.accelerator.unwrap_model(trainer.ref_model, keep_torch_compile=False)
+        add_engine_scored_lm_head(ref, trainer.temperature, entropy=False)
