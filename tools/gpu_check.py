@@ -8,6 +8,12 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
 
     python -m tools.gpu_check --device cpu --tiny --out /tmp/gpu_check_smoke
 
+``--parts`` runs some of the parts (letters; ``--skip-*`` drops one). The records in ``--out`` are rewritten with
+the parts run, so a selection gets its own directory:
+
+    python -m tools.gpu_check --parts h --out results/bench/gpu/verl
+    .venv-verl/bin/python -m tools.gpu_check --device cpu --tiny --parts h --out /tmp/gpu_check_verl
+
 (a) Inductor comparison. vLLM's ``forward_native`` formulas (RMSNorm with and without residual,
     SiluAndMul, neox RoPE, Qwen3 q/k norm -> RoPE as one graph; copied verbatim as in
     ``tests/test_inductor.py``) are compiled with ``torch.compile(backend="inductor", dynamic=False)``,
@@ -80,6 +86,21 @@ Smoke test of the same code paths on CPU (tiny sizes, Inductor's C++ backend, ~1
     in eager and compiled mode into a temporary directory; per run: the step 0 k3 (``none``), the last cumulative
     step's k3 and exact fraction, every cumulative step's k3, which sources were present and why the others were
     not. The runs' attribution.csv/.json and waterfall.png are copied to ``--out``/attribution/<engine>/.
+(h) verl 0.9.1's actor with ``roundalign.integrations.verl`` (needs verl==0.9.1, ``tools/envs/verl_env.sh``; skipped
+    with one line otherwise). verl's own ``ActorRolloutRefWorker(role="actor")``, built from its ``ppo_trainer`` hydra
+    config by ``tests/verl_cpu/verl_actor.py`` (FSDP2 on one rank: nccl on CUDA; gloo with ``--device cpu``, on the
+    tests' stand-in platform ``tests/verl_cpu/cpu_platform.py``), scores a batch laid out as verl's trainer hands it
+    over, on tiny Qwen2 and Qwen3 (head_dim 64 on CUDA, 16 on CPU), once per engine with
+    ``external_lib=roundalign.integrations.verl`` (vllm-compiled/vllm-eager on CUDA, vllm-cpu-* on CPU, each with its
+    default region kernels) and once without. Attention: flash_attention_2 on verl's packed micro-batch where
+    flash-attn is installed, else sdpa unpacked (``use_remove_padding=False``: sdpa on a packed row is not the
+    per-sequence forward); eager, packed, on CPU. Per arch and engine: the fraction of response tokens whose
+    ``compute_log_prob`` is bitwise the log-prob of the HF model aligned to the engine (each sequence alone, scored
+    with the engine sampler's fp32 formula) and the max difference; the same for the stock actor; the actor with
+    variant ``baseline`` against the stock HF model (the scoring formula alone: it separates verl's forward path,
+    attention and packing, from the aligned regions); the fraction of tokens the alignment moves; one
+    ``update_actor`` with verl's ppo_loss (parameters moved, log-probs moved, alignment kept). On CPU every aligned
+    row is bitwise (14 of 14 tokens) and the stock actor 0 of 14.
 (d) A table on stdout, and ``gpu_check.json`` + ``gpu_check.md`` in ``--out``.
 """
 
@@ -93,6 +114,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -101,16 +123,19 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
 import transformers
 from torch._inductor import config as inductor_config
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from roundalign import apply_alignment
 from roundalign.bridge import vllm_flash
 from roundalign.engine import EngineModel, KVCache
 from roundalign.models.tiny import make_tiny, random_qwen
 from roundalign.numerics import regions
+from roundalign.numerics.patch import alignment_of
 from roundalign.numerics.sampler import chunk_rows, engine_logprobs
 from roundalign.numerics.vllm_native import (
     vllm_cos_sin_cache,
@@ -126,6 +151,7 @@ from roundalign.verify.sync_check import compare_with_fresh_engines, train_with_
 
 BF16 = torch.bfloat16
 EPS = 1e-6
+PARTS = "abcefgh"  # the parts --parts selects; (d) is the report, written whatever runs
 
 # Qwen2.5-1.5B widths (the inductor check uses them too) and a tiny set for the CPU smoke test
 SIZES = {
@@ -704,6 +730,214 @@ def render_attribution(result: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------------
+# (h) verl's actor with roundalign.integrations.verl
+
+# roundalign.integrations.verl.VERL_VERSION, read here from the package metadata: importing that module imports verl's
+# engine, which fixes verl's platform for the process, and on a CPU the stand-in platform must be registered first
+VERL_VERSION = "0.9.1"
+VERL_ENGINES = ("vllm-compiled", "vllm-eager")  # on CUDA; --device cpu runs vllm-cpu-compiled/-eager
+VERL_HELPERS = Path(__file__).resolve().parents[1] / "tests" / "verl_cpu"  # verl_actor.py, cpu_platform.py
+# one rank, where verl's Worker reads it (the environment)
+VERL_DIST_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+
+
+def verl_skip_reason() -> str | None:
+    """Why part (h) cannot run here (verl 0.9.1 importable), or None."""
+    if importlib.util.find_spec("verl") is None:
+        return (f"verl {VERL_VERSION} is not importable here: tools/envs/verl_env.sh .venv-verl builds an environment "
+                "with it (docs/verl.md)")
+    try:
+        version = importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on the path: the integration checks at import
+        return None
+    if version != VERL_VERSION:
+        return (f"verl {version} is installed; roundalign.integrations.verl wraps verl {VERL_VERSION}'s internals "
+                f"(tools/envs/verl_env.sh installs verl=={VERL_VERSION})")
+    return None
+
+
+def verl_attention(device: torch.device) -> tuple[str, bool]:
+    """(attn_implementation, use_remove_padding) of part (h)'s actor: a pair under which verl's forward on its
+    micro-batch can be the forward of each sequence alone, which the HF reference runs."""
+    if device.type == "cpu":
+        return "eager", True  # eager on verl's packed row is bitwise the per-sequence forward (tests/verl_cpu)
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2", True  # verl's defaults: flash-attn's varlen kernel on the packed micro-batch
+    # sdpa on a packed row is not the per-sequence forward (the integration warns): verl's padded path instead
+    return "sdpa", False
+
+
+def _verl_process_group(device: torch.device) -> bool:
+    """One process group of world size 1 for verl's worker, unless one is up; True if this call started it. gloo on
+    a CPU; on a GPU verl's own backend for a GPU worker (``cpu:gloo,cuda:nccl``,
+    ``verl.utils.distributed.initialize_global_process_group_ray``)."""
+    for key, value in VERL_DIST_ENV.items():
+        os.environ.setdefault(key, value)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    if dist.is_initialized():
+        os.environ.setdefault("MASTER_PORT", "29500")  # read by verl's Worker; the group exists already
+        return False
+    with socket.socket() as s:  # a free port: an earlier part may have left MASTER_PORT set to a used one
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(s.getsockname()[1])
+    dist.init_process_group("gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    return True
+
+
+def _token_stats(got: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(fraction of masked tokens whose log-probs are bitwise equal, max |difference| in nats) of two (B, T) tensors."""
+    g, r = got[mask], ref[mask]
+    return float((g == r).double().mean()), float((g - r).abs().max())
+
+
+def _verl_arch(va, ra_verl, device: torch.device, arch: str, engines: tuple[str, ...], attn: str,
+               remove_padding: bool, hidden: int, seed: int, work: Path) -> list[dict]:
+    """Part (h) on one tiny ``arch``: the stock actor and the engine-scoring-only actor once, then per engine the
+    aligned actor against the HF model aligned to that engine, and one ``update_actor``."""
+    overrides = (f"actor_rollout_ref.model.override_config.attn_implementation={attn}",
+                 f"actor_rollout_ref.model.use_remove_padding={remove_padding}")
+    # untied: verl builds an untied model under meta-device init, as for real ones (tests/verl_cpu/test_worker.py)
+    path = make_tiny(arch, work / arch, hidden=hidden, heads=4, layers=2, tie=False, seed=seed)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=BF16, attn_implementation=attn).to(device).eval()
+    vocab = reference.config.vocab_size
+    td = va.rollout_batch(vocab, seed + 1)
+    mask = td["response_mask"].bool()
+    stock_ref = va.hf_logprobs(reference, td)
+
+    def actor_lp(external_lib):
+        w = va.worker(path, *overrides, external_lib=external_lib)
+        w.init_model()
+        lp = va.actor_logprobs(w, td)
+        del w
+        return lp
+
+    stock_lp = actor_lp(None)  # verl as shipped: bf16 scoring, no alignment
+    # variant baseline: the external_lib's scoring formula without aligned regions, against the stock HF model: where
+    # the aligned rows below differ, this row tells whether verl's forward path (attention, packing, FSDP) or the
+    # aligned regions moved the tokens
+    os.environ[ra_verl.ENV_VARIANT], os.environ[ra_verl.ENV_ENGINE] = "baseline", engines[0]
+    scoring_only = _token_stats(actor_lp(ra_verl.__name__), stock_ref, mask)
+    os.environ.pop(ra_verl.ENV_VARIANT)
+
+    rows = []
+    for engine in engines:
+        t0 = time.perf_counter()
+        os.environ[ra_verl.ENV_ENGINE] = engine
+        kernels = ra_verl.VerlSettings.from_env().region_kernels
+        apply_alignment(reference, "full", engine, kernels=kernels)
+        aligned_ref = va.hf_logprobs(reference, td)
+        w = va.worker(path, *overrides)
+        w.init_model()
+        inner = w.actor.engine.module
+        alignment = alignment_of(inner)
+        lp = va.actor_logprobs(w, td)
+        data = va.ppo_batch(w, vocab, seed + 2)
+        before = {n: p.full_tensor().clone() for n, p in inner.named_parameters()}
+        metrics = w.update_actor(data)["metrics"]
+        moved = sum(not torch.equal(before[n], p.full_tensor()) for n, p in inner.named_parameters())
+        lp_after = va.actor_logprobs(w, td)
+        aligned = _token_stats(lp, aligned_ref, mask)
+        stock = _token_stats(stock_lp, aligned_ref, mask)
+        row = {"arch": arch, "engine": engine, "kernels": kernels, "attn": attn, "use_remove_padding": remove_padding,
+               "alignment": "/".join(alignment), "tokens": int(mask.sum()),
+               "aligned_tokens_bitwise_equal": aligned[0], "aligned_max_abs_diff": aligned[1],
+               "stock_tokens_bitwise_equal": stock[0], "stock_max_abs_diff": stock[1],
+               "scoring_only_tokens_bitwise_equal": scoring_only[0], "scoring_only_max_abs_diff": scoring_only[1],
+               "alignment_moves_tokens": float((aligned_ref != stock_ref)[mask].double().mean()),
+               "update_params_moved": moved, "update_params_total": len(before),
+               "update_alignment_kept": alignment_of(inner) == alignment,
+               "update_moves_logprobs": not torch.equal(lp_after[mask], lp[mask]),
+               "update_metrics_finite": all(bool(torch.isfinite(torch.as_tensor(v, dtype=torch.float64)).all())
+                                            for v in metrics.values() if isinstance(v, (int, float, list, Tensor))),
+               "run_s": round(time.perf_counter() - t0, 1)}
+        rows.append(row)
+        del w, inner, before
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"[verl] {arch} {engine} ({kernels} kernels, {attn}): aligned actor == aligned HF on "
+              f"{100 * row['aligned_tokens_bitwise_equal']:.1f}% of {row['tokens']} tokens "
+              f"(max {row['aligned_max_abs_diff']:.3g}); stock actor {100 * row['stock_tokens_bitwise_equal']:.1f}% "
+              f"(max {row['stock_max_abs_diff']:.3g}); update moved {moved}/{row['update_params_total']} parameters",
+              flush=True)
+    return rows
+
+
+def check_verl(device: torch.device, seed: int) -> list[dict]:
+    """Part (h): verl 0.9.1's ``ActorRolloutRefWorker(role="actor")`` built from verl's own hydra config
+    (``tests/verl_cpu/verl_actor.py``), with ``external_lib=roundalign.integrations.verl`` per engine of
+    ``VERL_ENGINES`` (their CPU-build twins with --device cpu) and without it, on tiny Qwen2 and Qwen3; one row per
+    (arch, engine)."""
+    reason = verl_skip_reason()
+    if reason:
+        print(f"[verl] part (h) skipped: {reason}", flush=True)
+        return [{"skipped": reason}]
+    if device.type == "cpu":
+        # verl ships no CPU platform: the tests' stand-in, registered before verl resolves its platform (it does so
+        # once, when verl_actor imports verl's engine), and verl's FSDP engine looked up under cuda (tests/verl_cpu)
+        os.environ["VERL_PLATFORM"], os.environ["VERL_ENGINE_DEVICE"] = "cpu", "cuda"
+    if str(VERL_HELPERS) not in sys.path:
+        sys.path.insert(0, str(VERL_HELPERS))
+    if device.type == "cpu":
+        import cpu_platform  # noqa: F401, PLC0415 -- optional: verl (registers the cpu platform)
+    import verl_actor as va  # noqa: PLC0415 -- optional: verl
+
+    from roundalign.integrations import verl as ra_verl  # noqa: PLC0415 -- optional: verl (installs the hooks)
+
+    engines = VERL_ENGINES if device.type == "cuda" else tuple(e.replace("vllm-", "vllm-cpu-", 1) for e in VERL_ENGINES)
+    attn, remove_padding = verl_attention(device)
+    hidden = 64 if device.type == "cpu" else 256  # head_dim 16 as tests/verl_cpu; 64 on a GPU, as parts (e)-(g)
+    work = Path(tempfile.mkdtemp(prefix="roundalign_gpu_check_verl_"))
+    saved = {k: os.environ.pop(k, None) for k in (ra_verl.ENV_VARIANT, ra_verl.ENV_ENGINE, ra_verl.ENV_KERNELS)}
+    own_group = _verl_process_group(device)
+    rows: list[dict] = []
+    try:
+        for arch in ("qwen2", "qwen3"):
+            try:
+                rows += _verl_arch(va, ra_verl, device, arch, engines, attn, remove_padding, hidden, seed, work)
+            except Exception as e:  # noqa: BLE001 - the other arch still tells something
+                print(f"[verl] {arch} failed: {type(e).__name__}: {e}", flush=True)
+                rows.append({"arch": arch, "engine": None, "error": f"{type(e).__name__}: {e}"})
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+        if own_group:
+            dist.destroy_process_group()
+    return rows
+
+
+def render_verl(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    title = f"## (h) verl {VERL_VERSION}'s actor with roundalign.integrations.verl"
+    if rows[0].get("skipped"):
+        return f"\n{title}\n\nskipped: {rows[0]['skipped']}\n"
+    ok = next((r for r in rows if not r.get("error")), {})
+    lines = ["", f"{title} (attn {ok.get('attn', '-')}, use_remove_padding {ok.get('use_remove_padding', '-')})", "",
+             "Response tokens whose compute_log_prob is bitwise the HF model's scored with the engine sampler's fp32 "
+             "formula (each sequence alone): the aligned actor and verl's stock actor against the HF model aligned to "
+             "the engine; the actor with variant baseline (the scoring formula only) against the stock HF model; the "
+             "tokens the alignment moves (aligned vs stock HF); one update_actor with verl's ppo_loss.", "",
+             "| arch | engine | kernels | tokens | aligned actor | max abs diff | stock actor | max abs diff "
+             "| scoring only | alignment moves | update: params moved | log-probs moved | alignment kept | run s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['arch']} | error: {r['error'][-160:]} |" + " - |" * 12)
+            continue
+        lines.append(f"| {r['arch']} | {r['engine']} | {r['kernels']} | {r['tokens']} | "
+                     f"{100 * r['aligned_tokens_bitwise_equal']:.1f}% | {r['aligned_max_abs_diff']:.3g} | "
+                     f"{100 * r['stock_tokens_bitwise_equal']:.1f}% | {r['stock_max_abs_diff']:.3g} | "
+                     f"{100 * r['scoring_only_tokens_bitwise_equal']:.1f}% | "
+                     f"{100 * r['alignment_moves_tokens']:.1f}% | "
+                     f"{r['update_params_moved']}/{r['update_params_total']} | {r['update_moves_logprobs']} | "
+                     f"{r['update_alignment_kept']} | {r['run_s']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -792,6 +1026,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None,
                    help="timed round-robin rounds, median reported (default 10; tiny: 3)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--parts", default=PARTS,
+                   help="letters of the parts to run, e.g. h or abc (default: all, %(default)s); (d), the report, is "
+                        "written whatever runs, and each --skip-* flag drops its part from this set. The records in "
+                        "--out hold the parts run only: give a selection its own --out")
     p.add_argument("--skip-inductor", action="store_true", help="skip part (a), the Inductor comparison")
     p.add_argument("--skip-bench", action="store_true", help="skip part (b), the model timing")
     p.add_argument("--skip-piecewise", action="store_true", help="skip part (c), the piecewise engine check")
@@ -804,7 +1042,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip part (g), attribution: vLLM's sampler against the trainer's formula, and roundalign "
                         "attribute --backend vllm in eager and compiled mode (step 0 k3, last k3 and exact fraction, "
                         "the sources present)")
-    return p.parse_args(argv)
+    p.add_argument("--skip-verl", action="store_true",
+                   help="skip part (h), verl 0.9.1's actor with roundalign.integrations.verl against the aligned HF "
+                        "model (bitwise fraction of response tokens, stock actor, one update_actor)")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        p.error(f"--parts={args.parts!r}: {'unknown part ' + ', '.join(unknown) if unknown else 'no part'}; "
+                f"expected letters from {PARTS} ((d) is the report, always written)")
+    return args
 
 
 def main(argv=None) -> int:
@@ -828,64 +1074,75 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     meta = environment(device)
+    skip = {"a": args.skip_inductor, "b": args.skip_bench, "c": args.skip_piecewise, "e": args.skip_training,
+            "f": args.skip_flash, "g": args.skip_attribution, "h": args.skip_verl}
+    parts = "".join(part for part in PARTS if part in args.parts and not skip[part])
     meta.update(size=size, inductor_sizes=SIZES[size], bench_batch=batch, bench_seq=seq, rounds=rounds,
-                warmup=args.warmup, attn=args.attn, seed=args.seed)
+                warmup=args.warmup, attn=args.attn, seed=args.seed, parts=parts)
 
     inductor_rows: list[dict] = []
     bench_rows: list[dict] = []
     piecewise_rows: list[dict] = []
     training_rows: list[dict] = []
     flash_rows: list[dict] = []
-    if not args.skip_inductor:
+    if "a" in parts:
         t0 = time.perf_counter()
         inductor_rows = check_inductor(device, SIZES[size], args.seed)
         meta["inductor_check_s"] = round(time.perf_counter() - t0, 1)
         print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
-    if not args.skip_bench:
+    if "b" in parts:
         t0 = time.perf_counter()
         bench_rows = bench_model(device, MODELS[size], batch, seq, variants, args.engine, args.warmup, rounds,
                                  args.attn, args.seed)
         meta["bench_s"] = round(time.perf_counter() - t0, 1)
         print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
-    if not args.skip_piecewise:
+    if "c" in parts:
         t0 = time.perf_counter()
         piecewise_rows = check_piecewise(device, args.tiny, args.seed)
         meta["piecewise_check_s"] = round(time.perf_counter() - t0, 1)
         print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
-    if not args.skip_training:
+    if "e" in parts:
         t0 = time.perf_counter()
         engine = args.engine if device.type == "cuda" else args.engine.replace("vllm-", "vllm-cpu-", 1)
         training_rows = check_training(device, engine, out, args.seed)
         meta["training_check_s"] = round(time.perf_counter() - t0, 1)
         print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
-    if not args.skip_flash:
+    if "f" in parts:
         t0 = time.perf_counter()
         flash_rows = check_flash_training(device, out, args.seed)
         meta["flash_check_s"] = round(time.perf_counter() - t0, 1)
         print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows), flush=True)
     attribution: dict = {}
-    if not args.skip_attribution:
+    if "g" in parts:
         t0 = time.perf_counter()
         attribution = check_attribution(device, out, args.seed, args.tiny)
         meta["attribution_check_s"] = round(time.perf_counter() - t0, 1)
+        print(write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows, attribution),
+              flush=True)
+    verl_rows: list[dict] = []
+    if "h" in parts:
+        t0 = time.perf_counter()
+        verl_rows = check_verl(device, args.seed)
+        meta["verl_check_s"] = round(time.perf_counter() - t0, 1)
     meta["total_s"] = round(time.perf_counter() - t_start, 1)
 
-    md = write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows, attribution)
+    md = write(out, meta, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows, attribution, verl_rows)
     print(md)
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     return 0
 
 
 def write(out: Path, meta: dict, inductor_rows, bench_rows, piecewise_rows, training_rows, flash_rows,
-          attribution: dict | None = None) -> str:
+          attribution: dict | None = None, verl_rows: list[dict] | None = None) -> str:
     """gpu_check.md and gpu_check.json with the parts done so far (written after each part: a later part that
     fails leaves the earlier ones on disk)."""
     md = render_markdown(meta, inductor_rows, bench_rows, piecewise_rows) + render_training(training_rows) \
-        + render_flash(flash_rows) + render_attribution(attribution)
+        + render_flash(flash_rows) + render_attribution(attribution) + render_verl(verl_rows or [])
     (out / "gpu_check.md").write_text(md)
     (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "inductor": inductor_rows, "bench": bench_rows,
                                                     "piecewise": piecewise_rows, "training": training_rows,
-                                                    "flash": flash_rows, "attribution": attribution or {}},
+                                                    "flash": flash_rows, "attribution": attribution or {},
+                                                    "verl": verl_rows or []},
                                                    indent=2, default=str) + "\n")
     return md
 

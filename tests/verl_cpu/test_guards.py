@@ -20,7 +20,7 @@ from verl.workers.engine.base import EngineRegistry  # noqa: E402
 from roundalign.integrations import verl as ra_verl  # noqa: E402
 from roundalign.models.tiny import make_tiny  # noqa: E402
 from roundalign.numerics.patch import apply_alignment  # noqa: E402
-from test_worker import actor_logprobs, hf_logprobs, rollout_batch, worker  # noqa: E402
+from verl_actor import actor_logprobs, hf_logprobs, rollout_batch, worker  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("process_group")
 

@@ -7,101 +7,23 @@ The worker is ``ActorRolloutRefWorker(role="actor")`` with no Ray: FSDP2 on one 
 ``cpu_platform.py``, eager attention (on packed sequences eager is bitwise the per-sequence forward; sdpa is not,
 ``test_guards.py``), verl's defaults elsewhere (``use_remove_padding``, gradient checkpointing, bf16 mixed
 precision). The batch is laid out as verl's trainer hands it over (``RayPPOTrainer._compute_old_log_prob``):
-left-padded prompts, right-padded responses, then ``left_right_2_no_padding``.
+left-padded prompts, right-padded responses, then ``left_right_2_no_padding``. The worker, the batches and the
+reference live in ``verl_actor.py``, which ``tools/gpu_check.py`` part (h) runs on a GPU too.
 """
-
-import os
 
 import pytest
 
 pytest.importorskip("verl", reason="verl 0.9.1 is not installed: tools/envs/verl_env.sh .venv-verl (conftest.py)")
 
 import torch  # noqa: E402
-import verl  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils import torch_functional as verl_F  # noqa: E402
-from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+from verl_actor import actor_logprobs, hf_logprobs, ppo_batch, rollout_batch, worker  # noqa: E402
 
-from roundalign.integrations import verl as ra_verl  # noqa: E402
 from roundalign.models.tiny import make_tiny  # noqa: E402
 from roundalign.numerics.patch import alignment_of, apply_alignment  # noqa: E402
-from roundalign.numerics.sampler import engine_logprobs_reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("process_group")
-
-TEMPERATURE = 0.7  # not 1: the engine divides the fp32 logits by T, verl's stock path the bf16 ones
-BATCH, PROMPT_LEN, RESPONSE_LEN = 4, 6, 5
-
-
-def worker(path, *overrides, external_lib=ra_verl.__name__, role="actor"):
-    """verl's ``ActorRolloutRefWorker`` from its own ``ppo_trainer`` hydra config, sized for a tiny model on CPU."""
-    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={path}",
-            f"actor_rollout_ref.model.external_lib={external_lib or 'null'}",
-            "+actor_rollout_ref.model.override_config.attn_implementation=eager",
-            "actor_rollout_ref.actor.strategy=fsdp2",
-            "actor_rollout_ref.ref.strategy=fsdp2",
-            "actor_rollout_ref.actor.use_torch_compile=False",  # compiles only verl's entropy; 16 s on 2 cores
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.rollout.n=1",
-            *overrides,
-        ])
-    return ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role=role)
-
-
-def rollout_batch(vocab, seed):
-    """What verl's trainer holds after a rollout: left-padded prompts, right-padded responses (row i has i pad
-    tokens on each side, row 0 none)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, vocab, (BATCH, PROMPT_LEN), generator=g)
-    responses = torch.randint(3, vocab, (BATCH, RESPONSE_LEN), generator=g)
-    pmask = torch.ones(BATCH, PROMPT_LEN, dtype=torch.long)
-    rmask = torch.ones(BATCH, RESPONSE_LEN, dtype=torch.long)
-    for i in range(1, BATCH):
-        pmask[i, :i] = 0
-        rmask[i, RESPONSE_LEN - i:] = 0
-    prompts[pmask == 0] = 0
-    responses[rmask == 0] = 0
-    attn = torch.cat([pmask, rmask], 1)
-    return TensorDict({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                       "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
-                       "response_mask": rmask}, batch_size=[BATCH])
-
-
-def score_input(td):
-    """``td`` as ``RayPPOTrainer._compute_old_log_prob`` hands it to ``compute_log_prob``."""
-    data = left_right_2_no_padding(td.clone())
-    tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=TEMPERATURE,
-                         global_token_num=td["attention_mask"].sum(-1).tolist())
-    return data
-
-
-def actor_logprobs(w, td):
-    data = score_input(td)
-    return no_padding_2_padding(w.compute_log_prob(data)["log_probs"], data)  # (B, RESPONSE_LEN)
-
-
-def hf_logprobs(model, td):
-    """Each sequence alone through a plain HF model, its response tokens scored by vLLM's sampler formula
-    (``engine_logprobs_reference``: fp32 upcast, / T, fp32 log-softmax)."""
-    out = torch.zeros(BATCH, RESPONSE_LEN)
-    with torch.no_grad():
-        for i in range(BATCH):
-            ids = td["input_ids"][i][td["attention_mask"][i].bool()]
-            hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-            lp = engine_logprobs_reference(hidden[:-1], model.lm_head.weight, None, ids[1:], TEMPERATURE)
-            n_prompt, n_resp = int(td["attention_mask"][i, :PROMPT_LEN].sum()), int(td["response_mask"][i].sum())
-            out[i, :n_resp] = lp[n_prompt - 1:n_prompt - 1 + n_resp]
-    return out
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])
@@ -143,14 +65,7 @@ def test_actor_scores_as_the_aligned_engine_formula_bitwise_and_trains(tiny, mon
         assert torch.equal(actor_logprobs(aligned, td)[mask], lp[mask])
 
     # one PPO step with verl's own loss, data laid out as RayPPOTrainer._update_actor lays it out
-    train = rollout_batch(vocab=512, seed=2)
-    train["old_log_probs"] = actor_logprobs(aligned, train)
-    g = torch.Generator().manual_seed(3)
-    train["advantages"] = torch.randn(train["responses"].shape, generator=g) * train["response_mask"]
-    data = left_right_2_no_padding(train)
-    tu.assign_non_tensor(data, calculate_entropy=False, global_batch_size=BATCH, mini_batch_size=BATCH, epochs=1,
-                         seed=42, dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=TEMPERATURE,
-                         global_token_num=train["attention_mask"].sum(-1).tolist())
+    data = ppo_batch(aligned, vocab=512, seed=2)
     before = {n: p.full_tensor().clone() for n, p in inner.named_parameters()}
     metrics = aligned.update_actor(data)["metrics"]
     after = {n: p.full_tensor() for n, p in inner.named_parameters()}
