@@ -499,6 +499,7 @@ CHECKS = {
     "dry run of the paper sweep": None,  # filled below
     "`make figures` from a fresh tree": figures_files,
     "`make test`": verbatim("17.4", "23.4"),
+    "`.ci/run` from a fresh clone with the five environments": verbatim("35 min 42 s"),
     "`make demo`": verbatim("5 min 53 s", "4 min 56 s"),
     "smoke: `baseline` and `rope` per-step k3": smoke_k3_baseline_rope,
     "smoke: `full` per-step k3": smoke_k3_full,
